@@ -1,0 +1,35 @@
+"""Scenarios are documentation that runs: each one completes and prints what it promises,
+on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dbs import only
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+EXPECT = {
+    "quickstart.py": ["all done"],
+    "async_crawl.py": ["exists: False", "task cancelled (timed_out)", "attempts=2", "peak concurrency 3 (cap 3); done=6"],
+    "tenants.py": ["final slot-time shares", "'done': 250"],
+    "crash_recover.py": ["killing worker A", "is done, attempts=2", "lease expired on attempt 1"],
+    "pipeline_listen.py": ["20 hops in"],
+    "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
+}
+
+
+@only("sqlite", "postgresql")
+@pytest.mark.parametrize("script", sorted(EXPECT))
+def test_scenario_runs_to_completion(db_url: str, dialect: str, script: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "scenarios" / script), "--url", db_url],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for needle in EXPECT[script]:
+        assert needle in out.stdout, out.stdout
+    if script == "pipeline_listen.py":
+        assert ("LISTEN/NOTIFY" in out.stdout) == (dialect == "postgresql")

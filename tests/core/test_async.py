@@ -1,0 +1,173 @@
+"""jobq.aio and AsyncWorker: the sync API's twins on an AsyncEngine, on every engine
+(aiosqlite, psycopg async, aiomysql). The race test is tests/races (async claimers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+
+import jobq
+from dbs import async_url
+from helpers import state
+
+
+def _run(coro_fn, db_url: str):
+    """Run ``coro_fn(async_engine)`` on a fresh event loop and dispose the engine after."""
+
+    async def main():
+        eng = create_async_engine(async_url(db_url))
+        try:
+            return await coro_fn(eng)
+        finally:
+            await eng.dispose()
+
+    return asyncio.run(main())
+
+
+def test_the_queue_functions_have_async_twins(db_url: str, engine: sa.Engine) -> None:
+    """enqueue, claim_batch, heartbeat, finalize (fenced), fail, get, cancel, retry, stats,
+    why, reclaim on an AsyncEngine: same results as the sync calls, same errors."""
+
+    async def scenario(eng: AsyncEngine) -> None:
+        await jobq.aio.create_schema(eng)  # idempotent, like the sync one
+        a = await jobq.aio.enqueue(eng, "t", {"n": 1})
+        b = await jobq.aio.enqueue(eng, "t", depends_on=[a])
+        (lease,) = await jobq.aio.claim_batch(eng, "w", 30, limit=5, max_in_flight=4)
+        assert lease.id == a  # b waits on a
+        await jobq.aio.heartbeat(eng, lease, 30)
+        with pytest.raises(jobq.LeaseLost):
+            await jobq.aio.finalize(eng, a, {}, worker_id="w", token="0" * 32)
+        await jobq.aio.finalize(eng, a, {"ok": True}, worker_id="w", token=lease.token)
+        info = await jobq.aio.get(eng, a)
+        assert info is not None and (info.state, info.result) == ("done", {"ok": True})
+        assert (await jobq.aio.get(eng, b)).state == "ready"  # released in the finalize's transaction
+        assert await jobq.aio.claim(eng, "w", 30) == b
+        assert await jobq.aio.fail(eng, b, "boom", worker_id="w", retry=False) == "failed"
+        assert "failed" in await jobq.aio.why(eng, b)
+        assert await jobq.aio.retry(eng, b) == [b]
+        assert await jobq.aio.cancel(eng, b) == "cancelled"
+        assert (await jobq.aio.stats(eng))["states"]["cancelled"] == 1
+        assert await jobq.aio.reclaim(eng) == 0
+        with pytest.raises(jobq.ConfigError, match="AsyncEngine"):
+            await jobq.aio.enqueue(engine, "t")  # a sync engine is refused with a clear error
+
+    _run(scenario, db_url)
+
+
+def test_async_enqueue_in_the_callers_transaction(db_url: str, engine: sa.Engine) -> None:
+    """With an AsyncSession the job is written in the caller's transaction: it exists only if
+    the caller commits."""
+
+    async def scenario(eng: AsyncEngine) -> tuple[int, int]:
+        async with AsyncSession(eng) as session:
+            kept = await jobq.aio.enqueue(session, "t")
+            await session.commit()
+        async with AsyncSession(eng) as session:
+            dropped = await jobq.aio.enqueue(session, "t")
+            await session.rollback()
+        return kept, dropped
+
+    kept, dropped = _run(scenario, db_url)
+    assert state(engine, kept) == "ready"
+    assert jobq.get(engine, dropped) is None
+
+
+def test_async_worker_runs_a_dag_of_coroutines(db_url: str, engine: sa.Engine) -> None:
+    """Async handlers run as tasks under the cap, upstreams first, results stored."""
+    order: list[str] = []
+    live = peak = 0
+
+    async def step(ctx: jobq.JobContext) -> dict:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        await asyncio.sleep(0.02)
+        order.append(ctx.args["name"])
+        live -= 1
+        return {"name": ctx.args["name"]}
+
+    ids = jobq.submit(engine, [{"key": "a", "type": "step", "args": {"name": "a"}}]
+                      + [{"key": f"m{i}", "type": "step", "args": {"name": f"m{i}"}, "depends_on": ["a"]} for i in range(6)]
+                      + [{"key": "z", "type": "step", "args": {"name": "z"}, "depends_on": [f"m{i}" for i in range(6)]}])
+
+    async def scenario(eng: AsyncEngine) -> bool:
+        w = jobq.AsyncWorker(eng, {"step": step}, max_concurrency=3, poll_interval=0.05)
+        return await w.run_until_idle(timeout=60)
+
+    assert _run(scenario, db_url) is True
+    assert order[0] == "a" and order[-1] == "z" and len(order) == 8
+    assert peak <= 3
+    assert jobq.get(engine, ids["z"]).result == {"name": "z"}
+
+
+def test_async_worker_cancels_a_timed_out_task_and_retries(db_url: str, engine: sa.Engine) -> None:
+    """Unlike a thread, a timed-out coroutine is really stopped (its task is cancelled); the
+    job is retried, and the second attempt finishes."""
+    attempts: list[int] = []
+    cancelled: list[int] = []
+
+    async def slow_then_fast(ctx: jobq.JobContext) -> None:
+        attempts.append(ctx.attempt)
+        if ctx.attempt == 1:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(ctx.attempt)
+                raise
+
+    jid = jobq.enqueue(engine, "slow", timeout=0.3, max_attempts=3)
+
+    async def scenario(eng: AsyncEngine) -> bool:
+        w = jobq.AsyncWorker(eng, {"slow": slow_then_fast}, max_concurrency=1, poll_interval=0.05,
+                             retry_backoff=lambda attempt: 0.01)
+        return await w.run_until_idle(timeout=30)
+
+    t0 = time.monotonic()
+    assert _run(scenario, db_url) is True
+    assert time.monotonic() - t0 < 15  # nobody waited for the 30 s sleep
+    assert attempts == [1, 2] and cancelled == [1]
+    info = jobq.get(engine, jid)
+    assert info is not None and (info.state, info.attempts) == ("done", 2)
+
+
+def test_async_worker_stops_gracefully_and_releases(db_url: str, engine: sa.Engine) -> None:
+    """stop() while a handler runs past the grace period: the job goes back to ready at once,
+    without charging the attempt."""
+    jid = jobq.enqueue(engine, "hang")
+
+    async def hang(ctx: jobq.JobContext) -> None:
+        await asyncio.sleep(30)
+
+    async def scenario(eng: AsyncEngine) -> None:
+        w = jobq.AsyncWorker(eng, {"hang": hang}, max_concurrency=1, poll_interval=0.05, shutdown_timeout=0.2)
+        task = asyncio.get_running_loop().create_task(w.run())
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if w.in_flight:
+                break
+        w.stop()
+        await asyncio.wait_for(task, 20)
+
+    _run(scenario, db_url)
+    info = jobq.get(engine, jid)
+    assert info is not None and (info.state, info.attempts, info.lease_owner) == ("ready", 0, None)
+
+
+def test_async_worker_refuses_what_it_cannot_do(engine: sa.Engine, db_url: str) -> None:
+    async def ok(ctx: jobq.JobContext) -> None:
+        return None
+
+    def sync_handler(ctx: jobq.JobContext) -> None:
+        return None
+
+    with pytest.raises(jobq.ConfigError, match="AsyncEngine"):
+        jobq.AsyncWorker(engine, {"t": ok}, max_concurrency=1)
+    eng = create_async_engine(async_url(db_url))
+    with pytest.raises(jobq.ConfigError, match="async def"):
+        jobq.AsyncWorker(eng, {"t": sync_handler}, max_concurrency=1)
+    with pytest.raises(jobq.ConfigError, match="executor"):
+        jobq.AsyncWorker(eng, {"t": ok}, max_concurrency=1, executor="process")

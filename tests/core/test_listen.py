@@ -1,0 +1,89 @@
+"""PostgreSQL LISTEN/NOTIFY wake-up: fast when notifications arrive, and the queue still drains
+when they are dropped or the listening connection is killed (polling never turns off)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+from dbs import only
+from helpers import wait_for
+
+
+class Started:
+    def __init__(self) -> None:
+        self.at: dict[int, float] = {}
+
+    def __call__(self, ctx: jobq.JobContext) -> dict:
+        self.at[ctx.id] = time.monotonic()
+        return {}
+
+
+def _run(worker: jobq.Worker) -> threading.Thread:
+    t = threading.Thread(target=worker.run)
+    t.start()
+    return t
+
+
+@only("postgresql")  # NOTIFY is PostgreSQL's
+def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
+    started = Started()
+    w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=30.0, listen=True)
+    t = _run(w)
+    try:
+        time.sleep(0.5)  # let it LISTEN and go idle
+        sent = time.monotonic()
+        jid = jobq.enqueue(engine, "t")
+        wait_for(lambda: jid in started.at, timeout=10, what="the notified worker to start the job")
+        assert started.at[jid] - sent < 2.0  # far below the 30 s poll
+        sent = time.monotonic()  # a dependent released by a finalize is notified too
+        up = jobq.enqueue(engine, "t")
+        down = jobq.enqueue(engine, "t", depends_on=[up])
+        wait_for(lambda: down in started.at, timeout=10, what="the released dependent to start")
+        assert started.at[down] - sent < 3.0
+    finally:
+        w.stop()
+        t.join(10)
+
+
+@only("postgresql")
+def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_only_latency(engine: sa.Engine) -> None:
+    started = Started()
+    events: list[jobq.Event] = []
+    w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=1.0, listen=True, on_event=events.append)
+    t = _run(w)
+    admin = sa.create_engine(engine.url)
+    try:
+        time.sleep(0.5)
+        with admin.connect() as conn:
+            killed = conn.execute(sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'jobq-listener'"
+            )).scalar_one()
+        assert killed == 1
+        jid = jobq.enqueue(engine, "t")  # during the gap: caught by the re-LISTEN poll or by polling
+        wait_for(lambda: jid in started.at, timeout=10, what="the job enqueued while the listener was down")
+        wait_for(lambda: any("listener" in (e.error or "") for e in events), timeout=5, what="the listener to report the cut")
+        old = jobq.PG_NOTIFY_CHANNEL  # a job that arrives with no notification at all
+        try:
+            jobq.PG_NOTIFY_CHANNEL = None
+            silent = jobq.enqueue(engine, "t")
+        finally:
+            jobq.PG_NOTIFY_CHANNEL = old
+        wait_for(lambda: silent in started.at, timeout=10, what="polling to find a silent job")
+        with admin.connect() as conn:
+            assert conn.execute(sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener'")).scalar_one() == 1
+    finally:
+        w.stop()
+        t.join(10)
+        admin.dispose()
+
+
+@only("sqlite", "mysql", "mariadb")
+def test_listen_is_refused_where_it_cannot_work(engine: sa.Engine) -> None:
+    with pytest.raises(jobq.ConfigError, match="psycopg"):
+        jobq.Worker(engine, {"t": lambda c: None}, max_concurrency=1, listen=True)

@@ -1,0 +1,138 @@
+"""Planner traps: the claim's hot queries must use the partial indexes, or ticks grow with
+history. SQLite could not match "in_flight" to "in_flight = 1" and scanned every row (61 ms per
+tick with 200k done rows, found by the benchmark); PostgreSQL needs the 'ready' literal."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import sqlalchemy as sa
+
+import jobq
+from dbs import only
+
+NOW = dt.datetime(2030, 1, 1)
+
+
+def _plans(engine: sa.Engine, stmt: sa.Executable) -> str:
+    if isinstance(stmt, sa.TextClause):
+        sql = stmt.text
+    else:
+        sql = str(stmt.compile(engine, compile_kwargs={"literal_binds": True, "render_postcompile": True}))
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}"))
+        conn.exec_driver_sql("SET enable_seqscan = off")  # tiny tables: make the planner show its options
+        out = " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {sql}"))
+        conn.rollback()
+        return out
+
+
+def _d(engine: sa.Engine) -> jobq._Dialect:
+    return jobq._prepare(engine)
+
+
+PARTIAL = ("ix_jobs_ready", "ix_jobs_in_flight")
+HOT = {
+    "in flight per group": lambda e: jobq._Q_IN_FLIGHT_BY_GROUP,
+    "ready groups (skip scan)": lambda e: jobq._Q_READY_GROUPS,
+    "group counts": lambda e: jobq._q_group_counts(["g", "h"], NOW, ["t"], 10),
+    "candidates": lambda e: jobq._q_candidates(_d(e), True).params(b_group="g", b_now=NOW, b_types=["t"], b_limit=10),
+    "expired leases": lambda e: jobq._q_expired(NOW, 100),
+}
+
+
+def _check(name: str, plan: str) -> None:
+    # an index search restricted to the few live rows, or a walk of a partial index (which
+    # holds only live rows); never a scan of the whole table or of a full index
+    assert "ix_jobs_" in plan, f"{name}: {plan}"
+    assert "Seq Scan" not in plan, f"{name}: {plan}"
+    for step in plan.split(" | "):
+        if step.startswith("SCAN jobs") or step.startswith("SCAN j "):
+            assert any(f"INDEX {p}" in step for p in PARTIAL), f"{name}: {plan}"
+
+
+@only("sqlite", "postgresql")  # the engines with partial indexes
+def test_hot_claim_queries_use_the_partial_indexes(engine: sa.Engine) -> None:
+    for name, build in HOT.items():
+        _check(name, _plans(engine, build(engine)))
+
+
+@only("sqlite")
+def test_statistics_gathered_while_everything_was_ready_do_not_move_the_claim_off_the_index(engine: sa.Engine) -> None:
+    """The SQLite trap: ANALYZE run while every row is ready teaches the planner that the
+    partial index covers the whole table; once done rows pile up, a rowid scan would cost a
+    claim about 10x. The hot queries must still use the partial indexes after such an ANALYZE."""
+    with engine.begin() as conn:
+        jobq.submit(conn, [{"key": str(i), "type": "t", "group_key": "g" if i % 2 else "h"} for i in range(2000)])
+        conn.exec_driver_sql("ANALYZE")
+        conn.exec_driver_sql("UPDATE jobs SET state = 'done' WHERE id % 50 <> 0")
+    for name, build in HOT.items():
+        _check(name, _plans(engine, build(engine)))
+
+
+@only("sqlite")
+def test_the_broken_index_predicate_is_caught(engine: sa.Engine) -> None:
+    """The harness can fail: with the partial index spelled "WHERE in_flight" (the bug), SQLite
+    plans the in-flight count as a full scan and the assertion above would catch it."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP INDEX ix_jobs_in_flight")
+        conn.exec_driver_sql("CREATE INDEX ix_jobs_in_flight ON jobs (group_key) WHERE in_flight")
+    plan = _plans(engine, jobq._Q_IN_FLIGHT_BY_GROUP)
+    assert "SCAN jobs" in plan
+
+
+@only("postgresql")
+def test_stale_statistics_cannot_turn_the_claim_into_a_table_scan(engine: sa.Engine) -> None:
+    """The PostgreSQL trap measured in the benchmark: ANALYZE taken while many jobs were in
+    flight makes the planner expect thousands of in-flight rows and read the whole table for
+    the cap's count (3 ms per tick at 20k rows, growing with history). The claim pins index
+    plans for its transaction (pin_index_plans); without the pin the same query is a Seq Scan,
+    so this test can fail."""
+    with engine.begin() as conn:
+        jobq.submit(conn, [{"key": str(i), "type": "t"} for i in range(3000)])
+        conn.exec_driver_sql("UPDATE jobs SET in_flight = true, state = 'running'")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("ANALYZE jobs")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE jobs SET in_flight = false, state = 'done'")
+    with engine.connect() as conn:
+        plain = " | ".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + jobq._Q_IN_FLIGHT_BY_GROUP.compile(engine).string))
+        conn.rollback()
+        with conn.begin():
+            jobq._prepare(engine).pin_index_plans(conn)
+            pinned = " | ".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + jobq._Q_IN_FLIGHT_BY_GROUP.compile(engine).string))
+            jit = conn.exec_driver_sql("SHOW jit").scalar()
+    assert "Seq Scan on jobs" in plain, plain  # the trap is real on this server
+    assert "ix_jobs_in_flight" in pinned and "Seq Scan on jobs" not in pinned, pinned
+    assert jit == "off"
+
+
+@only("sqlite", "postgresql")
+def test_stats_reads_only_indexes(engine: sa.Engine) -> None:
+    """stats() (what `jobq status` shows) must stay cheap on a table with millions of finished
+    rows: every statement it runs is planned on an index, none scans the jobs table. Each
+    captured statement is re-planned with its own parameters."""
+    jobq.submit(engine, [{"key": str(i), "type": "t", "depends_on": [] if i % 3 else ["0"]} for i in range(1, 60)]
+                + [{"key": "0", "type": "t"}])
+    seen: list[tuple[str, object]] = []
+
+    def capture(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
+        if "jobs" in statement and not statement.lstrip().upper().startswith("EXPLAIN"):
+            seen.append((statement, parameters))
+
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    jobq.stats(engine)
+    sa.event.remove(engine, "before_cursor_execute", capture)
+    assert len(seen) >= 6
+    with engine.connect() as conn:
+        for statement, params in seen:
+            if engine.dialect.name == "sqlite":
+                plan = " | ".join(str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params))
+                bad = [step for step in plan.split(" | ") if step.startswith("SCAN jobs") and "INDEX ix_jobs_" not in step]
+            else:
+                conn.exec_driver_sql("SET enable_seqscan = off")
+                plan = " | ".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params))
+                bad = ["Seq Scan"] if "Seq Scan on jobs" in plan else []
+            assert not bad, f"{statement}\n{plan}"
+        conn.rollback()

@@ -1,0 +1,80 @@
+"""Schema: idempotent creation, the ready index per dialect, time precision, version gates."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+from dbs import only
+
+
+def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
+    jobq.create_schema(engine)
+    jobq.create_schema(engine)
+    names = set(sa.inspect(engine).get_table_names())
+    assert {"jobs", "job_deps", "jobq_meta"} <= names
+    with engine.connect() as conn:
+        rows = dict(conn.execute(sa.select(jobq._meta.c.key, jobq._meta.c.value)).all())
+    assert rows == {"schema_version": str(jobq.SCHEMA_VERSION), "claim_lock": ""}
+
+
+def test_ready_index_exists_in_the_dialects_form(engine: sa.Engine) -> None:
+    """PostgreSQL/SQLite get a partial index WHERE state = 'ready'; MySQL/MariaDB, which have
+    no partial indexes, a composite index led by state. A bug would leave the scan O(table)."""
+    idx = {i["name"]: i for i in sa.inspect(engine).get_indexes("jobs")}
+    if engine.dialect.name in ("mysql", "mariadb"):
+        assert idx["ix_jobs_ready_my"]["column_names"] == ["state", "group_key", "run_after", "id"]
+        assert "ix_jobs_ready" not in idx
+    else:
+        assert idx["ix_jobs_ready"]["column_names"] == ["group_key", "run_after", "id"]
+        where = idx["ix_jobs_ready"]["dialect_options"]
+        assert "ready" in str(where.get("postgresql_where", where.get("sqlite_where")))
+        assert "ix_jobs_ready_my" not in idx
+
+
+def test_times_keep_microseconds_and_are_utc(engine: sa.Engine) -> None:
+    """MySQL rounds and MariaDB truncates a plain DATETIME; SQLite drops offsets. An aware
+    run_after in another zone must come back as the same instant, naive UTC, to the microsecond."""
+    when = dt.datetime(2031, 5, 6, 7, 8, 9, 123457, tzinfo=dt.timezone(dt.timedelta(hours=5, minutes=30)))
+    jid = jobq.enqueue(engine, "t", run_after=when)
+    info = jobq.get(engine, jid)
+    assert info is not None
+    assert info.run_after == dt.datetime(2031, 5, 6, 1, 38, 9, 123457)
+    assert info.created_at.microsecond == info.updated_at.microsecond
+
+
+def test_version_gate_names_found_and_needed_versions() -> None:
+    with pytest.raises(jobq.UnsupportedDatabase, match=r"MySQL 5\.7\.44 found; jobq needs MySQL 8\.0\.1"):
+        jobq._check_version("mysql", (5, 7, 44))
+    with pytest.raises(jobq.UnsupportedDatabase, match=r"MariaDB 10\.5\.9 found; jobq needs MariaDB 10\.6"):
+        jobq._check_version("mariadb", (10, 5, 9))
+    jobq._check_version("mysql", (8, 0, 1))
+    jobq._check_version("mariadb", (10, 6, 0))
+
+
+def test_unknown_dialect_is_refused() -> None:
+    eng = sa.create_engine("sqlite://")
+    eng.dialect.name = "oracle"  # the name is all jobq looks at before connecting
+    with pytest.raises(jobq.UnsupportedDatabase, match="oracle"):
+        jobq.create_schema(eng)
+
+
+@only("mariadb")
+def test_mariadb_is_recognised_through_a_mysql_url(dialect: str) -> None:
+    """mysql+pymysql:// URLs that reach MariaDB report dialect 'mysql' with is_mariadb."""
+    from dbs import server_url
+
+    url = server_url("mariadb").replace("mariadb+pymysql", "mysql+pymysql")
+    eng = sa.create_engine(url)
+    assert jobq._prepare(eng).family == "mariadb"
+    eng.dispose()
+
+
+@only("postgresql")  # storage parameters are PostgreSQL's
+def test_the_jobs_table_is_tuned_for_churn(engine: sa.Engine) -> None:
+    with engine.connect() as conn:
+        opts = conn.exec_driver_sql("SELECT reloptions FROM pg_class WHERE relname = 'jobs'").scalar_one()
+    assert "fillfactor=70" in opts and "autovacuum_vacuum_scale_factor=0.02" in opts

@@ -1,0 +1,237 @@
+"""Worker: dispatch, DAG order, failures and retries, containers, timeouts, stop, options."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+from helpers import state, wait_for
+
+FAST = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
+
+
+class Recorder:
+    """Handlers that record (job id, start, end) so tests can check order and overlap."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spans: dict[int, tuple[float, float]] = {}
+        self.runs: list[int] = []
+
+    def handler(self, sleep: float = 0.0):
+        def run(ctx: jobq.JobContext):
+            t0 = time.monotonic()
+            if sleep:
+                time.sleep(sleep)
+            with self.lock:
+                self.runs.append(ctx.id)
+                self.spans[ctx.id] = (t0, time.monotonic())
+            return {"id": ctx.id, "attempt": ctx.attempt}
+
+        return run
+
+
+def test_worker_runs_a_dag_in_dependency_order(engine: sa.Engine) -> None:
+    rec = Recorder()
+    a = jobq.enqueue(engine, "step", {"n": 1})
+    b = jobq.enqueue(engine, "step", {"n": 2}, depends_on=[a])
+    c = jobq.enqueue(engine, "step", {"n": 3}, depends_on=[a])
+    d = jobq.enqueue(engine, "step", {"n": 4}, depends_on=[b, c])
+    w = jobq.Worker(engine, {"step": rec.handler(0.05)}, max_concurrency=3, **FAST)
+    assert w.run_until_idle(timeout=30)
+    assert sorted(rec.runs) == [a, b, c, d]
+    for up, down in ((a, b), (a, c), (b, d), (c, d)):
+        assert rec.spans[up][1] <= rec.spans[down][0], f"{down} started before {up} finished"
+    assert {jobq.get(engine, j).state for j in (a, b, c, d)} == {"done"}  # type: ignore[union-attr]
+    assert jobq.get(engine, d).result == {"id": d, "attempt": 1}  # type: ignore[union-attr]
+
+
+def test_cap_bounds_overlap_inside_one_worker(engine: sa.Engine) -> None:
+    rec = Recorder()
+    for _ in range(12):
+        jobq.enqueue(engine, "slow")
+    w = jobq.Worker(engine, {"slow": rec.handler(0.05)}, max_concurrency=3, **FAST)
+    assert w.run_until_idle(timeout=30)
+    events = sorted([(s, 1) for s, _ in rec.spans.values()] + [(e, -1) for _, e in rec.spans.values()])
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    assert len(rec.runs) == 12 and 2 <= peak <= 3
+
+
+def test_a_raising_handler_is_retried_then_failed_with_its_error(engine: sa.Engine) -> None:
+    calls: list[int] = []
+
+    def boom(ctx: jobq.JobContext) -> None:
+        calls.append(ctx.attempt)
+        raise RuntimeError(f"broken on attempt {ctx.attempt}")
+
+    jid = jobq.enqueue(engine, "boom", max_attempts=3)
+    after = jobq.enqueue(engine, "boom", depends_on=[jid])
+    events: list[jobq.Event] = []
+    w = jobq.Worker(engine, {"boom": boom}, max_concurrency=1, on_event=events.append, **FAST)
+    assert w.run_until_idle(timeout=30)
+    info = jobq.get(engine, jid)
+    assert info is not None
+    assert calls == [1, 2, 3]
+    assert (info.state, info.attempts, info.in_flight, info.result) == ("failed", 3, False, None)
+    assert info.error is not None and info.error.startswith("RuntimeError: broken on attempt 3")
+    assert "Traceback" in info.error
+    assert state(engine, after) == "failed"  # not left waiting forever
+    assert [e.action for e in events if e.job_id == jid] == ["claimed", "started", "retried"] * 2 + ["claimed", "started", "failed"]
+    assert {e.action for e in events} <= set(jobq.EVENT_ACTIONS)
+
+
+def test_a_result_that_cannot_be_stored_fails_without_retry(engine: sa.Engine) -> None:
+    """B22: a non-serialisable result writes no `done` and is not retried (it would not improve)."""
+    jid = jobq.enqueue(engine, "bad", max_attempts=5)
+    w = jobq.Worker(engine, {"bad": lambda ctx: {"when": object()}}, max_concurrency=1, **FAST)
+    assert w.run_until_idle(timeout=30)
+    info = jobq.get(engine, jid)
+    assert info is not None
+    assert (info.state, info.attempts, info.result) == ("failed", 1, None)
+    assert "not JSON-serialisable" in (info.error or "")
+
+
+def test_system_exit_in_a_handler_is_never_success(engine: sa.Engine) -> None:
+    def leave(ctx: jobq.JobContext) -> None:
+        raise SystemExit(3)
+
+    jid = jobq.enqueue(engine, "exit", max_attempts=1)
+    assert jobq.Worker(engine, {"exit": leave}, max_concurrency=1, **FAST).run_until_idle(timeout=30)
+    info = jobq.get(engine, jid)
+    assert info is not None and info.state == "failed" and (info.error or "").startswith("SystemExit")
+
+
+def test_a_worker_never_runs_a_type_it_has_no_handler_for(engine: sa.Engine) -> None:
+    rec = Recorder()
+    mine = jobq.enqueue(engine, "mine")
+    theirs = jobq.enqueue(engine, "theirs")
+    assert jobq.Worker(engine, {"mine": rec.handler()}, max_concurrency=2, **FAST).run_until_idle(timeout=30)
+    assert rec.runs == [mine]
+    assert state(engine, theirs) == "ready"
+
+
+def test_containers_roll_up_done_or_failed(engine: sa.Engine) -> None:
+    def work(ctx: jobq.JobContext):
+        if ctx.args.get("fail"):
+            raise ValueError("no")
+        return {}
+
+    good = jobq.enqueue(engine, "box", container=True)
+    bad = jobq.enqueue(engine, "box", container=True)
+    g1 = jobq.enqueue(engine, "work", parent=good)
+    g2 = jobq.enqueue(engine, "work", parent=good, depends_on=[g1])
+    b1 = jobq.enqueue(engine, "work", {"fail": True}, parent=bad, max_attempts=1)
+    b2 = jobq.enqueue(engine, "work", parent=bad)
+    after_good = jobq.enqueue(engine, "work", depends_on=[good])
+    after_bad = jobq.enqueue(engine, "work", depends_on=[bad])
+    w = jobq.Worker(engine, {"work": work, "box": lambda ctx: pytest.fail("a container was dispatched")},
+                    max_concurrency=2, **FAST)
+    assert w.run_until_idle(timeout=30)
+    assert [state(engine, j) for j in (g1, g2, good, after_good)] == ["done"] * 4
+    assert [state(engine, j) for j in (b1, b2, bad, after_bad)] == ["failed", "done", "failed", "failed"]
+    assert "1 child job(s) failed" in (jobq.get(engine, bad).error or "")  # type: ignore[union-attr]
+    assert jobq.get(engine, bad).attempts == 0  # type: ignore[union-attr]
+
+
+def test_a_timed_out_dispatch_is_retried_and_its_late_result_dropped(engine: sa.Engine) -> None:
+    release = threading.Event()
+    attempts: list[int] = []
+
+    def slow(ctx: jobq.JobContext):
+        attempts.append(ctx.attempt)
+        if ctx.attempt == 1:
+            release.wait(10)  # ignores its stop signal, like a stuck network call
+            return {"late": True}
+        return {"late": False}
+
+    jid = jobq.enqueue(engine, "slow", timeout=0.3, max_attempts=2)
+    events: list[jobq.Event] = []
+
+    def on_event(ev: jobq.Event) -> None:
+        events.append(ev)
+        if ev.action == "finished" and ev.attempt == 2:
+            release.set()  # the retry's result is written: now the stuck first attempt returns, late
+
+    w = jobq.Worker(engine, {"slow": slow}, max_concurrency=2, on_event=on_event, **FAST)
+    try:
+        assert w.run_until_idle(timeout=30)
+    finally:
+        release.set()
+    info = jobq.get(engine, jid)
+    assert info is not None and (info.state, info.result, info.attempts) == ("done", {"late": False}, 2)
+    assert "timed_out" in [e.action for e in events]
+    time.sleep(0.1)
+    w.tick()  # the abandoned thread has returned by now; its result must not land
+    assert jobq.get(engine, jid).result == {"late": False}  # type: ignore[union-attr]
+
+
+def test_stop_releases_unfinished_jobs_without_charging_an_attempt(engine: sa.Engine) -> None:
+    started = threading.Event()
+
+    def long(ctx: jobq.JobContext):
+        started.set()
+        ctx.wait(30)
+        return {"stopped": ctx.stop_reason}
+
+    jid = jobq.enqueue(engine, "long")
+    w = jobq.Worker(engine, {"long": long}, max_concurrency=1, shutdown_timeout=0.2, **FAST)
+    t = threading.Thread(target=w.run)
+    t.start()
+    assert started.wait(10)
+    w.stop()
+    t.join(10)
+    assert not t.is_alive()
+    info = jobq.get(engine, jid)
+    assert info is not None and (info.state, info.attempts, info.lease_owner) == ("ready", 0, None)
+
+
+def test_handlers_see_lease_loss_through_their_context(engine: sa.Engine) -> None:
+    seen = threading.Event()
+
+    def watch(ctx: jobq.JobContext):
+        while not ctx.wait(0.02):
+            pass
+        if ctx.lease_lost:
+            seen.set()
+        return {"should": "be dropped"}
+
+    jid = jobq.enqueue(engine, "watch", max_attempts=1)
+    w = jobq.Worker(engine, {"watch": watch}, max_concurrency=1, poll_interval=0.02, lease_ttl=0.6)
+    assert w.tick() == 1
+    with engine.begin() as conn:  # another party takes the job away (as a reclaim would)
+        conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == jid)
+                     .values(lease_token="stolen", lease_owner="other"))
+    w._start_heartbeats()
+    assert seen.wait(10)
+    wait_for(lambda: (w.tick(), w.in_flight == 0)[1], what="the lost job to leave the worker")
+    w._hb_stop.set()
+    info = jobq.get(engine, jid)
+    assert info is not None and info.result is None and info.lease_owner == "other"
+
+
+def test_worker_options_are_checked(engine: sa.Engine) -> None:
+    h = {"t": lambda ctx: None}
+    cases = [
+        (dict(handlers={}, max_concurrency=1), "non-empty mapping"),
+        (dict(handlers={"t": 5}, max_concurrency=1), "not callable"),
+        (dict(handlers=h, max_concurrency=0), "max_concurrency"),
+        (dict(handlers=h, max_concurrency=True), "max_concurrency must be an int"),
+        (dict(handlers=h, max_concurrency=1, lease_ttl=10, heartbeat_interval=6), "at most half of lease_ttl"),
+        (dict(handlers=h, max_concurrency=1, lease_ttl=-1), "lease_ttl"),
+        (dict(handlers=h, max_concurrency=1, poll_interval=float("nan")), "poll_interval"),
+        (dict(handlers=h, max_concurrency=1, group_caps={"g": 0}), "group_caps"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(jobq.ConfigError, match=message):
+            jobq.Worker(engine, kwargs.pop("handlers"), **kwargs)
+    a = jobq.Worker(engine, h, max_concurrency=1)
+    b = jobq.Worker(engine, h, max_concurrency=1)
+    assert a.worker_id != b.worker_id  # a restarted worker never inherits an old lease
+    assert a.heartbeat_interval == pytest.approx(10.0)

@@ -1,0 +1,93 @@
+"""A real worker process for the crash tests, with jobq's checkpoint replaced by a kill switch.
+
+    python worker_main.py URL LOGDIR [--kill-at POINT --kill-nth N] [--until-idle SECONDS]
+
+Handlers append to per-process logs in LOGDIR (flushed and fsynced before they return), so the
+test can count executions and finalize commits after the process is gone:
+    exec-PID.log    one line per handler start: "job attempt"
+    final-PID.log   one line per job whose finalize committed (the "finalized" checkpoint)
+    events-PID.log  one line per worker event: "action job"
+    started-JOB-ATTEMPT  a marker file created when a handler starts
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import sqlalchemy as sa  # noqa: E402
+
+import jobq  # noqa: E402
+
+
+def append(path: pathlib.Path, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("logdir", type=pathlib.Path)
+    p.add_argument("--kill-at", default="")
+    p.add_argument("--kill-nth", type=int, default=1)
+    p.add_argument("--until-idle", type=float, default=0.0)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--ttl", type=float, default=1.0)
+    p.add_argument("--shutdown-timeout", type=float, default=5.0)
+    p.add_argument("--executor", default="thread")
+    p.add_argument("--no-pre-ping", action="store_true", help="let dead pooled connections surface as errors")
+    ns = p.parse_args()
+    pid = os.getpid()
+    logs = ns.logdir
+    seen = {"n": 0}
+
+    def checkpoint(point: str, job_ids=()) -> None:
+        if point == "finalized":
+            for j in job_ids:
+                append(logs / f"final-{pid}.log", str(j))
+        if point == ns.kill_at and job_ids:
+            seen["n"] += 1
+            if seen["n"] >= ns.kill_nth:
+                append(logs / f"killed-{pid}.log", f"{point} {list(job_ids)}")
+                os.kill(pid, signal.SIGKILL)
+
+    jobq._checkpoint = checkpoint  # the test entry point's replacement for the no-op
+
+    def work(ctx: jobq.JobContext) -> dict:
+        append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
+        (logs / f"started-{ctx.id}-{ctx.attempt}").touch()
+        sleep = float(ctx.args.get("sleep", 0.02))
+        if ctx.args.get("cooperative"):
+            ctx.wait(sleep)
+        else:
+            time.sleep(sleep)
+        return {"pid": pid, "attempt": ctx.attempt}
+
+    def poison(ctx: jobq.JobContext) -> None:
+        append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
+        os.kill(pid, signal.SIGKILL)
+
+    connect_args = {"application_name": "jobq-crash-worker"} if ns.url.startswith("postgresql") else {}
+    engine = sa.create_engine(ns.url, pool_pre_ping=not ns.no_pre_ping, connect_args=connect_args)
+    worker = jobq.Worker(
+        engine, {"work": work, "poison": poison}, max_concurrency=ns.concurrency, lease_ttl=ns.ttl,
+        poll_interval=0.02, retry_backoff=lambda a: 0.0, shutdown_timeout=ns.shutdown_timeout, executor=ns.executor,
+        on_event=lambda ev: append(logs / f"events-{pid}.log", f"{ev.action} {ev.job_id}"),
+    )
+    append(logs / f"ready-{pid}.log", worker.worker_id)
+    if ns.until_idle:
+        sys.exit(0 if worker.run_until_idle(timeout=ns.until_idle) else 3)
+    worker.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Small helpers shared by the suites: database snapshots and polling with a deadline."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+import jobq
+
+jobs = jobq.Job.__table__
+
+#: Figures a test wants in the run's output (printed at the end by tests/conftest.py).
+REPORT: list[str] = []
+deps = jobq.JobDep.__table__
+
+
+def snapshot(engine: sa.Engine) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Every row of jobs and job_deps, ordered: compare two to prove nothing was written."""
+    with engine.connect() as conn:
+        j = [tuple(r) for r in conn.execute(sa.select(jobs).order_by(jobs.c.id))]
+        d = [tuple(r) for r in conn.execute(sa.select(deps).order_by(deps.c.job_id, deps.c.depends_on_id))]
+    return j, d
+
+
+def state(engine: sa.Engine, job_id: int) -> str:
+    info = jobq.get(engine, job_id)
+    assert info is not None, f"job {job_id} vanished"
+    return info.state
+
+
+def db_now(engine: sa.Engine) -> dt.datetime:
+    d = jobq._prepare(engine)
+    with engine.connect() as conn:
+        return d.db_now(conn)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
+    """Poll ``cond`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def most_in_window(times: list[float], window: float) -> int:
+    """The most events whose times fall in any half-open window [t, t + window)."""
+    times = sorted(times)
+    most = j = 0
+    for i, t in enumerate(times):
+        while t - times[j] >= window:
+            j += 1
+        most = max(most, i - j + 1)
+    return most
+
+
+def expire_leases(engine: sa.Engine, *ids: int) -> None:
+    """Move lease expiry into the past, as if the holder had stalled for longer than its TTL."""
+    past = db_now(engine) - dt.timedelta(seconds=3600)
+    with engine.begin() as conn:
+        stmt = sa.update(jobs).where(jobs.c.in_flight == sa.true())
+        if ids:
+            stmt = stmt.where(jobs.c.id.in_(ids))
+        conn.execute(stmt.values(lease_expires=past))

@@ -1,0 +1,178 @@
+"""Engine-specific claim properties: READ COMMITTED on MySQL/MariaDB, BEGIN IMMEDIATE and
+SQLITE_BUSY on SQLite, and workers with different handler sets sharing one database."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+from dbs import only
+
+
+def _claim_after_snapshot(engine: sa.Engine, isolation: str | None) -> list[int]:
+    """Open a claim transaction, read once (a REPEATABLE READ snapshot would start here), let
+    another connection commit a new ready job, then run the claim in the same transaction.
+    ``isolation`` overrides jobq's level (the broken variant); None runs jobq's own transaction."""
+    other = sa.create_engine(engine.url)
+
+    def run(conn: sa.Connection, d: jobq._Dialect) -> list[int]:
+        conn.execute(sa.select(sa.func.count()).select_from(jobq.Job.__table__)).scalar_one()
+        jobq.enqueue(other, "late")  # commits on its own connection
+        leases = jobq._lease_rows(conn, d, worker_id="w", ttl=30, now=d.db_now(conn), limit=5, types=None,
+                                  max_in_flight=5, group_caps=None, state="leased")
+        return [l.id for l in leases]
+
+    try:
+        if isolation is None:
+            return jobq._transaction(engine, run)
+        d = jobq._prepare(engine)
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level=isolation)
+            with conn.begin():
+                return run(conn, d)
+    finally:
+        other.dispose()
+
+
+@only("mysql", "mariadb")  # REPEATABLE READ is their default; PostgreSQL's is READ COMMITTED
+def test_claim_sees_jobs_committed_after_its_transaction_began(engine: sa.Engine) -> None:
+    """jobq's claim runs at READ COMMITTED, so a job committed after the claim transaction's
+    first read is still claimed. The same steps at REPEATABLE READ (MySQL's default) miss it:
+    that broken variant is run too, to show the test can tell them apart."""
+    assert len(_claim_after_snapshot(engine, None)) == 1
+    jobq.enqueue(engine, "filler")  # leave one ready job so the broken run has something to see
+    with engine.begin() as conn:
+        conn.execute(sa.update(jobq.Job.__table__).values(state="done", in_flight=False))
+    assert _claim_after_snapshot(engine, "REPEATABLE READ") == []
+
+
+@only("mysql", "mariadb")
+def test_jobq_transactions_report_read_committed(engine: sa.Engine) -> None:
+    var = "@@transaction_isolation" if jobq._prepare(engine).family == "mysql" else "@@tx_isolation"
+    level = jobq._transaction(engine, lambda conn, d: conn.exec_driver_sql(f"SELECT {var}").scalar_one())
+    assert level == "READ-COMMITTED"
+    with engine.connect() as conn:  # the pooled connection goes back to the server default
+        assert conn.exec_driver_sql(f"SELECT {var}").scalar_one() == "REPEATABLE-READ"
+
+
+def _hold_claim_open(url: str, immediate: bool, inside: threading.Event, release: threading.Event) -> threading.Thread:
+    eng = sa.create_engine(url)
+
+    def run(conn: sa.Connection, d: jobq._Dialect) -> None:
+        conn.execute(sa.select(sa.func.count()).select_from(jobq.Job.__table__)).scalar_one()
+        inside.set()
+        release.wait(10)
+
+    t = threading.Thread(target=lambda: (jobq._transaction(eng, run, immediate=immediate), eng.dispose()))
+    t.start()
+    return t
+
+
+@only("sqlite")
+@pytest.mark.parametrize("immediate", [True, False], ids=["begin-immediate", "BROKEN-deferred-begin"])
+def test_two_connections_are_never_inside_the_claim_at_once(db_url: str, dialect: str, immediate: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With BEGIN IMMEDIATE the first claim transaction holds SQLite's write lock from its first
+    statement, so a second connection's claim waits until it commits. The broken variant (a
+    deferred BEGIN, as pysqlite would issue) lets the second claim through: the test sees that.
+    jobq's lock file (a speed-up that also serialises its own transactions) is switched off
+    here, so SQLite's lock alone is tested."""
+    monkeypatch.setattr(jobq, "_sqlite_lockfile", lambda engine: None)
+    jobq.create_schema(sa.create_engine(db_url))
+    jobq.enqueue(sa.create_engine(db_url), "t")
+    inside, release = threading.Event(), threading.Event()
+    holder = _hold_claim_open(db_url, immediate, inside, release)
+    assert inside.wait(10)
+    other = sa.create_engine(db_url)  # its own engine: only SQLite's lock stands between them
+    done = threading.Event()
+    claimer = threading.Thread(target=lambda: (jobq.claim(other, "w2", 30), done.set()))
+    claimer.start()
+    entered_together = done.wait(0.5)
+    release.set()
+    holder.join(10)
+    claimer.join(30)
+    other.dispose()
+    assert done.is_set()
+    assert entered_together is (not immediate)
+
+
+@only("sqlite")
+def test_sqlite_busy_is_retried_and_the_connection_stays_usable(db_url: str, dialect: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write lock held longer than busy_timeout makes SQLite answer SQLITE_BUSY; the claim
+    retries the whole transaction instead of crashing or losing the job (and the pooled
+    connection is usable afterwards, sqlalchemy#5034)."""
+    monkeypatch.setattr(jobq, "SQLITE_BUSY_TIMEOUT_MS", 20)
+    eng = sa.create_engine(db_url)
+    jid = jobq.enqueue(eng, "t")
+    path = db_url.removeprefix("sqlite:///")
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")
+    threading.Timer(0.4, blocker.rollback).start()
+    t0 = time.monotonic()
+    assert jobq.claim(eng, "w", 30) == jid
+    assert time.monotonic() - t0 >= 0.3  # it did wait for the lock
+    blocker.execute("BEGIN IMMEDIATE")  # now longer than every retry: the error surfaces...
+    with pytest.raises(sa.exc.OperationalError, match="locked"):
+        jobq.claim(eng, "w", 30)
+    blocker.rollback()
+    blocker.close()
+    jid2 = jobq.enqueue(eng, "t")  # ...and the pool still works, nothing was lost
+    assert jobq.claim(eng, "w", 30) == jid2
+    eng.dispose()
+
+
+def test_workers_with_different_handler_sets_claim_only_their_types(engine: sa.Engine) -> None:
+    ran: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def handler(name: str):
+        def run(ctx: jobq.JobContext) -> dict:
+            with lock:
+                ran.append((name, ctx.type))
+            time.sleep(0.005)
+            return {}
+
+        return run
+
+    for i in range(60):
+        jobq.enqueue(engine, ["a", "b", "c"][i % 3])
+    w1 = jobq.Worker(engine, {"a": handler("w1"), "c": handler("w1")}, max_concurrency=4, poll_interval=0.02)
+    w2 = jobq.Worker(engine, {"b": handler("w2")}, max_concurrency=4, poll_interval=0.02)
+    results: list[bool] = []
+    ts = [threading.Thread(target=lambda w=w: results.append(w.run_until_idle(timeout=60))) for w in (w1, w2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert results == [True, True]
+    assert {t for n, t in ran if n == "w1"} == {"a", "c"}
+    assert {t for n, t in ran if n == "w2"} == {"b"}
+    assert len(ran) == 60
+
+
+@only("sqlite")
+def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str, dialect: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """jobq's transactions on SQLite first take `<db>-jobq.lock` (processes then hand the write
+    lock over at once instead of polling in SQLite's busy handler). A holder that stops while
+    holding it (SIGSTOP, a debugger) must not hang everyone: after the busy timeout the claim
+    goes on under SQLite's own lock, as without the file."""
+    import fcntl
+
+    monkeypatch.setattr(jobq, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    eng = sa.create_engine(db_url)
+    jid = jobq.enqueue(eng, "t")
+    path = db_url.removeprefix("sqlite:///") + "-jobq.lock"
+    held = open(path, "a+b")  # another open file description: conflicts like another process
+    fcntl.flock(held, fcntl.LOCK_EX)
+    t0 = time.monotonic()
+    assert jobq.claim(eng, "w", 30) == jid
+    waited = time.monotonic() - t0
+    held.close()
+    eng.dispose()
+    assert 0.25 <= waited < 5

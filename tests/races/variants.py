@@ -1,0 +1,152 @@
+"""Claim strategies for the race harness: jobq's own, and deliberately broken ones.
+
+The broken variants live here, in the tests only, so the harness can show it catches the bugs
+they carry. Each takes (engine, worker_id, limit, cap) and returns the leases it took as
+(job_id, token) pairs; the harness finalizes them with jobq's fenced finalize.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import sqlalchemy as sa
+
+import jobq
+
+jobs = jobq.Job.__table__
+c = jobs.c
+TTL = 600.0  # no lease may expire during a race run: every second claim is a double dispatch
+RATE = (10, 0.5)  # the rate-limit races: at most 10 claims in any 0.5 s, across every claimer
+
+
+def correct(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq's claim: one transaction, SKIP LOCKED, the cap counted under the claim lock."""
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=cap)]
+
+
+def _blind_lease(conn: sa.Connection, ids: list[int], wid: str, now: dt.datetime) -> str:
+    token = uuid.uuid4().hex
+    # No "AND state = 'ready'": the naive UPDATE trusts the earlier read.
+    conn.execute(
+        sa.update(jobs).where(c.id.in_(ids)).values(
+            state="leased", lease_owner=wid, lease_token=token, lease_expires=now + dt.timedelta(seconds=TTL),
+            attempts=c.attempts + 1, in_flight=True,
+        )
+    )
+    return token
+
+
+def read_then_update(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: reads the ready set in one transaction and leases in another."""
+    d = jobq._prepare(engine)
+    with engine.begin() as conn:
+        now = d.db_now(conn)
+        ids = [r.id for r in conn.execute(sa.select(c.id).where(c.state == "ready", c.run_after <= now).order_by(c.id).limit(limit))]
+    if not ids:
+        return []
+    with engine.begin() as conn:
+        token = _blind_lease(conn, ids, wid, now)
+    return [(i, token) for i in ids]
+
+
+_raw_engines: dict[str, sa.Engine] = {}
+
+
+def sqlite_for_update_only(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN (SQLite): trusts with_for_update, which SQLite ignores, on an engine left with the
+    driver's own transaction handling: pysqlite runs the SELECT before its implicit BEGIN."""
+    url = str(engine.url)
+    raw = _raw_engines.get(url)
+    if raw is None:
+        raw = _raw_engines[url] = sa.create_engine(url)  # no jobq hooks on this engine
+    with raw.begin() as conn:
+        now = jobq._utcnow()
+        ids = [r.id for r in conn.execute(
+            sa.select(c.id).where(c.state == "ready", c.run_after <= now).order_by(c.id).limit(limit).with_for_update()
+        )]
+        if not ids:
+            return []
+        token = _blind_lease(conn, ids, wid, now)
+    return [(i, token) for i in ids]
+
+
+def _in_flight(conn: sa.Connection) -> int:
+    return conn.execute(sa.select(sa.func.count()).where(c.in_flight == sa.true())).scalar_one()
+
+
+def cap_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: counts the free slots in one transaction and claims in the next."""
+    assert cap is not None
+    with engine.begin() as conn:
+        free = cap - _in_flight(conn)
+    if free <= 0:
+        return []
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, free))]
+
+
+def skip_locked_without_cap_lock(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN (servers): counts and claims in one transaction with SKIP LOCKED but without the
+    cap's serialisation point: two claimers skip each other's rows and spend the same slot."""
+    assert cap is not None
+
+    def run(conn: sa.Connection, d: jobq._Dialect) -> list[tuple[int, str]]:
+        free = cap - _in_flight(conn)
+        if free <= 0:
+            return []
+        leases = jobq._lease_rows(conn, d, worker_id=wid, ttl=TTL, now=d.db_now(conn), limit=min(limit, free),
+                                  types=None, max_in_flight=None, group_caps=None, state="leased")
+        return [(l.id, l.token) for l in leases]
+
+    return jobq._transaction(engine, run)
+
+
+def rate_limited(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq's claim with a global rate limit: the window counted under the claim lock."""
+    leases = jobq.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=cap, rate_limits={"*": RATE})
+    return [(l.id, l.token) for l in leases]
+
+
+def rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: counts the window's starts in one transaction and claims in the next, so
+    claimers that count at the same moment all spend the same room."""
+    n, period = RATE
+    with engine.begin() as conn:
+        now = jobq._prepare(engine).db_now(conn)
+        starts = jobq._starts
+        used = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(starts.c.n), 0))
+                            .where(starts.c.started_at > now - dt.timedelta(seconds=period))).scalar_one()
+    room = n - int(used)
+    if room <= 0:
+        return []
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, room), max_in_flight=cap)]
+
+
+async def async_correct(engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq.aio's claim on an AsyncEngine: the same claim, bridged to the event loop."""
+    leases = await jobq.aio.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=cap)
+    return [(l.id, l.token) for l in leases]
+
+
+async def async_cap_outside_claim(engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN (async): counts the free slots in one transaction and claims in the next, with
+    the coroutines of one event loop interleaving between the two."""
+    assert cap is not None
+    async with engine.begin() as conn:
+        free = cap - (await conn.execute(sa.select(sa.func.count()).where(c.in_flight == sa.true()))).scalar_one()
+    if free <= 0:
+        return []
+    return [(l.id, l.token) for l in await jobq.aio.claim_batch(engine, wid, TTL, limit=min(limit, free))]
+
+
+ASYNC_VARIANTS = {"async": async_correct, "async_cap_outside_claim": async_cap_outside_claim}
+
+VARIANTS = {
+    "correct": correct,
+    "read_then_update": read_then_update,
+    "sqlite_for_update_only": sqlite_for_update_only,
+    "cap_outside_claim": cap_outside_claim,
+    "skip_locked_without_cap_lock": skip_locked_without_cap_lock,
+    "rate_limited": rate_limited,
+    "rate_outside_claim": rate_outside_claim,
+}
