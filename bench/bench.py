@@ -1,0 +1,323 @@
+"""jobq benchmark: jobq against a raw-SQL loop doing the same claim + finalize work.
+
+Run:
+    python bench/bench.py                                   # SQLite file in a temp directory
+    python bench/bench.py --url postgresql+psycopg://postgres@127.0.0.1/test --jobs 20000
+
+Prints one table: drain throughput (1 and 2 worker processes) and its ratio to the raw-SQL
+ceiling measured in the same run on the same database, enqueue throughput (single and bulk),
+a DAG submit, enqueue->start latency with polling, tick time on a near-empty table versus one
+holding many done and blocked rows, and worker peak RSS after N and 10N jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pathlib
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import sqlalchemy as sa
+
+import jobq
+
+jobs = jobq.Job.__table__
+c = jobs.c
+
+
+def fresh(url: str) -> sa.Engine:
+    eng = sa.create_engine(url)
+    jobq.Base.metadata.drop_all(eng)
+    jobq.create_schema(eng)
+    return eng
+
+
+def seed(eng: sa.Engine, n: int, type_: str = "noop") -> None:
+    rows = []
+    now = jobq._utcnow()
+    for _ in range(n):
+        rows.append(dict(type=type_, args={}, state="ready", is_container=False, parent_id=None, group_key="default",
+                         weight=1, run_after=now - jobq._dt.timedelta(seconds=5), created_at=now, updated_at=now,
+                         attempts=0, max_attempts=3, in_flight=False, cancel_requested=False, pending_deps=0,
+                         pending_children=0, failed_children=0))
+    with eng.begin() as conn:
+        for i in range(0, len(rows), 5000):
+            conn.execute(sa.insert(jobs), rows[i:i + 5000])
+
+
+# -- the raw-SQL ceiling: claim 50 per transaction with SKIP LOCKED, finalize in batches --------
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def raw_drain(url: str, n_procs: int) -> tuple[float, float]:
+    """Seconds to drain, and CPU seconds the client processes used."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_raw_proc, args=(url, out)) for _ in range(n_procs)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    cpu = sum(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return time.perf_counter() - t0, cpu
+
+
+def _raw_proc(url: str, out: mp.Queue) -> None:
+    _raw_loop(url)
+    out.put(_cpu())
+
+
+def _raw_loop(url: str) -> None:
+    eng = sa.create_engine(url)
+    jobq._prepare(eng)
+    while True:
+        def claim(conn: sa.Connection, d: jobq._Dialect) -> list[int]:
+            ids = list(conn.execute(d.lock_skip(
+                sa.select(c.id).where(c.state == sa.literal_column("'ready'"), c.group_key == "default")
+                .order_by(c.run_after, c.id).limit(50))).scalars())
+            if ids:
+                conn.execute(sa.update(jobs).where(c.id.in_(ids)).values(state="running", lease_token="raw", in_flight=True))
+            return ids
+
+        ids = jobq._transaction(eng, claim)
+        if not ids:
+            break
+
+        def finish(conn: sa.Connection, d: jobq._Dialect, ids: list[int] = ids) -> None:
+            conn.execute(sa.update(jobs).where(c.id.in_(ids), c.lease_token == "raw")
+                         .values(state="done", result={}, in_flight=False))
+
+        jobq._transaction(eng, finish)
+    eng.dispose()
+
+
+# -- jobq ---------------------------------------------------------------------------------------
+
+def _noop(ctx: jobq.JobContext) -> None:
+    return None
+
+
+def peak_rss_kib() -> int:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so
+    a spawned worker would report its parent's peak (the parent that just seeded 100k rows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _worker_proc(url: str, conc: int, ready: mp.Event, go: mp.Event, out: mp.Queue) -> None:
+    eng = sa.create_engine(url)
+    w = jobq.Worker(eng, {"noop": _noop}, max_concurrency=conc, poll_interval=0.05, lease_ttl=60)
+    ready.set()
+    go.wait()
+    w.run_until_idle()
+    out.put((peak_rss_kib(), _cpu()))
+
+
+def jobq_drain(url: str, n_procs: int, conc: int) -> tuple[float, int, float]:
+    """Seconds to drain, the largest worker peak RSS (KiB), CPU seconds the workers used."""
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(n_procs)]
+    # `conc` slots per worker process: the global cap grows with the processes, as a deployment
+    # that adds a worker process to add capacity would set it (a shared cap of 64 would halve
+    # every claim batch of two processes).
+    procs = [ctx.Process(target=_worker_proc, args=(url, conc * n_procs, readies[i], go, out)) for i in range(n_procs)]
+    for p in procs:
+        p.start()
+    for r in readies:
+        r.wait()
+    t0 = time.perf_counter()
+    go.set()
+    got = [out.get() for _ in procs]
+    elapsed = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    return elapsed, max(r for r, _ in got), sum(c for _, c in got)
+
+
+def latency(url: str, samples: int, poll: float, listen: bool = False) -> tuple[list[float], list[float]]:
+    """Enqueue one job at a time (each in its own transaction) into an idle worker. Returns the
+    times from just before enqueue() to the handler's first line, and from enqueue()'s return
+    (its commit: the moment a worker can first see the job) to the handler's first line."""
+    eng = fresh(url)
+    started: dict[int, float] = {}
+    sent: dict[int, float] = {}
+    committed: dict[int, float] = {}
+
+    def h(ctx: jobq.JobContext) -> None:
+        started[ctx.id] = time.perf_counter()
+
+    w = jobq.Worker(eng, {"lat": h}, max_concurrency=4, poll_interval=poll, lease_ttl=60, listen=listen)
+    t = threading.Thread(target=w.run)
+    t.start()
+    time.sleep(0.5)  # the listener connects
+    rng = random.Random(7)
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        jid = jobq.enqueue(eng, "lat")
+        committed[jid] = time.perf_counter()
+        sent[jid] = t0
+        time.sleep(rng.uniform(0.2, 1.0) * poll if not listen else rng.uniform(0.01, 0.03))
+    deadline = time.time() + 30
+    while len(started) < samples and time.time() < deadline:
+        time.sleep(0.01)
+    w.stop()
+    t.join()
+    return (sorted(started[j] - sent[j] for j in sent if j in started),
+            sorted(started[j] - committed[j] for j in sent if j in started))
+
+
+def _pct(values: list[float]) -> str:
+    q = lambda p: values[min(len(values) - 1, int(p * len(values)))] * 1000  # noqa: E731
+    return f"{q(0.5):.1f} / {q(0.95):.1f} / {q(0.99):.1f} ms"
+
+
+def tick_time(eng: sa.Engine, rounds: int = 30) -> float:
+    w = jobq.Worker(eng, {"noop": _noop}, max_concurrency=1, poll_interval=1, lease_ttl=60)
+    times = []
+    for _ in range(rounds):
+        jobq.enqueue(eng, "noop")
+        t0 = time.perf_counter()
+        w.tick()
+        times.append(time.perf_counter() - t0)
+        w._drain(5)
+    return statistics.median(times)
+
+
+def bulk_history(eng: sa.Engine, done: int, blocked: int) -> None:
+    now = jobq._utcnow()
+    base = dict(type="noop", args={}, is_container=False, parent_id=None, group_key="default", weight=1,
+                run_after=now, created_at=now, updated_at=now, attempts=1, max_attempts=3, in_flight=False,
+                cancel_requested=False, pending_children=0, failed_children=0)
+    with eng.begin() as conn:
+        for i in range(0, done, 10000):
+            conn.execute(sa.insert(jobs), [dict(base, state="done", result={}, pending_deps=0, finished_at=now)
+                                           for _ in range(min(10000, done - i))])
+        for i in range(0, blocked, 10000):
+            conn.execute(sa.insert(jobs), [dict(base, state="waiting", pending_deps=1) for _ in range(min(10000, blocked - i))])
+    if eng.dialect.name == "postgresql":
+        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE jobs")
+
+
+SECTIONS = ("drain", "enqueue", "latency", "tick", "rss")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="jobq vs the raw-SQL ceiling")
+    ap.add_argument("--url")
+    ap.add_argument("--jobs", type=int, default=20000)
+    ap.add_argument("--concurrency", type=int, default=64,
+                    help="slots per worker process in the drains (global cap = this x processes)")
+    ap.add_argument("--done-rows", type=int, default=1_000_000)
+    ap.add_argument("--blocked-rows", type=int, default=100_000)
+    ap.add_argument("--rss-jobs", default="10000,100000", help="two job counts for the worker RSS comparison")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    ns = ap.parse_args()
+    only = set(ns.only.split(","))
+    url = ns.url or f"sqlite:///{tempfile.mkdtemp(prefix='jobq-bench-')}/bench.db"
+    n = ns.jobs
+    rows: list[tuple[str, str]] = []
+    eng0 = sa.create_engine(url)
+    with eng0.connect() as conn:
+        version = conn.dialect.server_version_info
+    print(f"jobq {jobq.__version__} on {eng0.dialect.name} {'.'.join(map(str, version or ()))}, "
+          f"SQLAlchemy {sa.__version__}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}", flush=True)
+    eng0.dispose()
+
+    if "drain" in only:
+        for procs in (1, 2):
+            fresh(url).dispose()
+            seed(sa.create_engine(url), n)
+            raw, raw_cpu = raw_drain(url, procs)
+            fresh(url).dispose()
+            seed(sa.create_engine(url), n)
+            secs, _, cpu = jobq_drain(url, procs, ns.concurrency)
+            rows.append((f"drain {n:,} no-op jobs, {procs} process(es): jobq / raw SQL",
+                         f"{n / secs:,.0f} / {n / raw:,.0f} jobs/s  ({raw / secs:.0%})"))
+            rows.append((f"  client CPU per job, {procs} process(es): jobq / raw SQL",
+                         f"{cpu / n * 1e6:,.0f} / {raw_cpu / n * 1e6:,.0f} us"))
+            print(rows[-2:], flush=True)
+
+    if "enqueue" in only:
+        eng = fresh(url)
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            jobq.enqueue(eng, "noop")
+        single = 1000 / (time.perf_counter() - t0)
+        items = [{"key": f"k{i}", "type": "noop"} for i in range(n)]
+        t0 = time.perf_counter()
+        jobq.submit(eng, items)
+        bulk = n / (time.perf_counter() - t0)
+        rows.append(("enqueue: one per transaction / submit()", f"{single:,.0f} / {bulk:,.0f} jobs/s"))
+        dag = [{"key": "root", "type": "noop"}, {"key": "box", "type": "box", "container": True, "depends_on": ["root"]}]
+        dag += [{"key": f"c{i}", "type": "noop", "parent": "box", "depends_on": [f"c{i - 1}"] if i % 10 else []}
+                for i in range(9997)]
+        dag += [{"key": "sink", "type": "noop", "depends_on": ["box"]}]
+        t0 = time.perf_counter()
+        jobq.submit(eng, dag)
+        rows.append(("submit a 10,000-job DAG (container, chains, fan-in)", f"{time.perf_counter() - t0:.2f} s"))
+        print(rows[-2:], flush=True)
+        eng.dispose()
+
+    if "latency" in only:
+        call, commit = latency(url, 200, 0.1)
+        rows.append(("enqueue->start, polling every 100 ms: p50 / p95 / p99", _pct(call)))
+        rows.append(("  the same, from enqueue's commit", _pct(commit)))
+        print(rows[-2:], flush=True)
+        eng = sa.create_engine(url)
+        if eng.dialect.name == "postgresql" and eng.dialect.driver == "psycopg":
+            call, commit = latency(url, 300, 5.0, listen=True)
+            rows.append(("enqueue->start, LISTEN/NOTIFY (poll 5 s): p50 / p95 / p99", _pct(call)))
+            rows.append(("  the same, from enqueue's commit", _pct(commit)))
+            print(rows[-2:], flush=True)
+        eng.dispose()
+
+    if "tick" in only:
+        eng = fresh(url)
+        empty = tick_time(eng)
+        bulk_history(eng, ns.done_rows, ns.blocked_rows)
+        full = tick_time(eng)
+        rows.append((f"tick: near-empty / {ns.done_rows:,} done + {ns.blocked_rows:,} blocked",
+                     f"{empty * 1000:.2f} / {full * 1000:.2f} ms ({full / empty:.2f}x)"))
+        print(rows[-1], flush=True)
+        eng.dispose()
+
+    if "rss" in only:
+        small, big = (int(x) for x in ns.rss_jobs.split(","))
+        fresh(url).dispose()
+        seed(sa.create_engine(url), small)
+        _, rss_small, _ = jobq_drain(url, 1, ns.concurrency)
+        fresh(url).dispose()
+        seed(sa.create_engine(url), big)
+        _, rss_big, _ = jobq_drain(url, 1, ns.concurrency)
+        rows.append((f"worker peak RSS after {small:,} / {big:,} jobs",
+                     f"{rss_small / 1024:.0f} / {rss_big / 1024:.0f} MiB ({rss_big / rss_small - 1:+.0%})"))
+
+    print()
+    width = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"{a:<{width}}  {b}")
+
+
+if __name__ == "__main__":
+    main()
