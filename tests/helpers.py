@@ -50,14 +50,17 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
         time.sleep(interval)
 
 
-def most_in_window(times: list[float], window: float) -> int:
-    """The most events whose times fall in any half-open window [t, t + window)."""
-    times = sorted(times)
-    most = j = 0
-    for i, t in enumerate(times):
-        while t - times[j] >= window:
-            j += 1
-        most = max(most, i - j + 1)
+def most_surely_in_window(spans: list[tuple[float, float]], window: float) -> int:
+    """The most events that certainly happened inside one window of ``window`` seconds.
+
+    Each event is known only to lie inside its span (before, after): a claim's instant falls
+    between the moment its caller asked and the moment the answer came back. An event counts
+    for the window [w, w + window) only when its whole span lies inside, so a count above a
+    limit is proof, with no slack for scheduling delays: late answers can only hide a
+    violation, never invent one."""
+    most = 0
+    for w, _ in spans:
+        most = max(most, sum(1 for b, a in spans if b >= w and a < w + window))
     return most
 
 

@@ -42,7 +42,9 @@ class DrainResult:
     max_overlap: int
     cap: int | None
     seconds: float
-    claim_times: list[float] = dataclasses.field(default_factory=list)  # when each job's claim returned (monotonic)
+    # Per job: (asked, answered), monotonic, around the claim call that leased it. The claim's
+    # own instant lies inside; CLOCK_MONOTONIC is one clock for every process on this machine.
+    claim_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 def seed_jobs(engine: sa.Engine, n: int, type_: str = "race") -> list[int]:
@@ -84,6 +86,7 @@ def _drain_proc(url: str, variant: str, pidx: int, threads: int, barrier: Any, o
         rnd = random.Random(seed * 1000 + pidx * 10 + tid)
         barrier.wait(120)
         while True:
+            t_ask = time.monotonic()
             try:
                 got = claim(engine, wid, rnd.randint(1, batch_max), cap)
             except sa.exc.OperationalError:
@@ -106,7 +109,7 @@ def _drain_proc(url: str, variant: str, pidx: int, threads: int, barrier: Any, o
                 except jobq.LeaseLost:
                     ok = False
                 with lock:
-                    records.append({"job": job_id, "wid": wid, "token": token, "t0": t_claim, "t1": t_release, "ok": ok})
+                    records.append({"job": job_id, "wid": wid, "token": token, "ta": t_ask, "t0": t_claim, "t1": t_release, "ok": ok})
 
     _run_threads(worker, threads)
     with open(out, "w") as f:
@@ -137,6 +140,7 @@ def _async_drain_proc(url: str, variant: str, pidx: int, tasks: int, barrier: An
             wid = f"p{pidx}a{tid}"
             rnd = random.Random(seed * 1000 + pidx * 10 + tid)
             while True:
+                t_ask = time.monotonic()
                 try:
                     got = await claim(engine, wid, rnd.randint(1, batch_max), cap)
                 except sa.exc.OperationalError:
@@ -158,7 +162,7 @@ def _async_drain_proc(url: str, variant: str, pidx: int, tasks: int, barrier: An
                         ok = True
                     except jobq.LeaseLost:
                         ok = False
-                    records.append({"job": job_id, "wid": wid, "token": token, "t0": t_claim, "t1": t_release, "ok": ok})
+                    records.append({"job": job_id, "wid": wid, "token": token, "ta": t_ask, "t0": t_claim, "t1": t_release, "ok": ok})
 
         barrier.wait(120)
         await asyncio.gather(*(worker(i) for i in range(tasks)))
@@ -221,7 +225,7 @@ def run_drain(url: str, variant: str, tmp: pathlib.Path, *, n_jobs: int, procs: 
         max_overlap=max_overlap([(r["t0"], r["t1"]) for r in records]),
         cap=cap,
         seconds=seconds,
-        claim_times=sorted(r["t0"] for r in records),  # CLOCK_MONOTONIC: one clock for every process here
+        claim_spans=sorted((r["ta"], r["t0"]) for r in records),
     )
 
 
