@@ -1015,27 +1015,43 @@ def _transaction(
     delay = 0.005
     dbapi_error = getattr(engine.dialect.loaded_dbapi, "Error", sa.exc.DBAPIError)
     for attempt in range(TX_RETRIES + 1):
-        started = False
+        started = committing = False
         try:
             with _sqlite_writer(engine, d), engine.connect() as conn:
                 try:
-                    if d.isolation:
+                    if d.family == "postgresql":
+                        # psycopg and asyncpg keep this on the client and send it with BEGIN,
+                        # as does SQLAlchemy's reset when the connection goes back to the pool.
                         conn.execution_options(isolation_level=d.isolation)
-                    elif immediate:
+                    elif immediate and d.is_sqlite:
                         conn.execution_options(jobq_immediate=True)
                 except dbapi_error as raw:
-                    # Setting the isolation level talks to the server outside SQLAlchemy's
+                    # A driver that does talk to the server here does so outside SQLAlchemy's
                     # error wrapping; a connection that died in the pool fails here. Drop it
                     # and report it like any other database error.
                     conn.invalidate()
                     raise sa.exc.OperationalError("SET TRANSACTION ISOLATION LEVEL", None, raw) from raw
                 started = True
                 with conn.begin():
-                    return fn(conn, d)
+                    if d.is_mysql_family:
+                        # For this transaction only, as a statement inside it. The session-level
+                        # setting (execution_options) is undone by the pool when the connection
+                        # is checked in, with a round trip outside any error handling: a cut
+                        # landing between commit and close raised the driver's raw error out of
+                        # close(), after the commit, and leaked the pool slot.
+                        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    result = fn(conn, d)
+                    committing = True
+                return result
         except sa.exc.DBAPIError as exc:
             # Before anything ran, a fresh connection is always safe to try (a few times: a
-            # database that is down is the worker's to back off from, not ours).
-            again = attempt < 2 if not started else retry and attempt < TX_RETRIES and d.retryable(exc)
+            # database that is down is the worker's to back off from, not ours). So is a
+            # connection lost before COMMIT was sent (a server restart or failover left it dead
+            # in the pool): the server rolled the transaction back. A connection lost during
+            # COMMIT is not retried: the commit may have landed, and rerunning would do it twice.
+            lost = exc.connection_invalidated and not committing
+            again = (attempt < 2 if not started
+                     else retry and attempt < TX_RETRIES and (lost or d.retryable(exc)))
             if not again:
                 raise
             logger.debug("retrying transaction after %s", type(exc.orig).__name__)

@@ -137,6 +137,63 @@ def test_a_cut_while_jobq_first_connects_to_a_server_is_retried(engine: sa.Engin
     assert failures == [], failures
 
 
+@only("postgresql", "mysql", "mariadb")
+@pytest.mark.parametrize("cut_after", ["commit", "rollback"])
+def test_a_cut_after_commit_loses_neither_the_result_nor_a_pool_slot(engine: sa.Engine, db_url: str,
+                                                                     cut_after: str) -> None:
+    """A connection cut after a jobq transaction committed, before the connection is back in
+    the pool. CI caught a worker dying of this on MariaDB: jobq set READ COMMITTED on the
+    session, so the pool rolled back and then undid the setting on checkin, the second round
+    trip outside any error handling; a cut between the two raised the driver's raw 'Lost
+    connection' out of close(), after the commit, losing the result and leaking the pool slot.
+    Now the level is set for the transaction only. Each round commits an enqueue and has the
+    server kill the connection right after the COMMIT (or right after a rollback on return to
+    the pool, where there is one). Correct: the job id comes back, the job is in the table,
+    and a pool of one connection still serves the next round, on a fresh connection when the
+    pooled one is dead (a transaction that lost its connection before COMMIT is rerun).
+    Fails on the session-level setting on MySQL and MariaDB (cut after rollback) and on
+    PostgreSQL (the next round's dead pooled connection, cut after commit)."""
+    fresh = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=5)
+    admin = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
+    pg = engine.dialect.name == "postgresql"
+    server_id: list[int] = []
+    cuts: list[int] = []
+
+    def alive(conn: sa.Connection, sid: int) -> bool:
+        q = ("SELECT count(*) FROM pg_stat_activity WHERE pid = :i" if pg
+             else "SELECT count(*) FROM information_schema.processlist WHERE id = :i")
+        return bool(conn.execute(sa.text(q), {"i": sid}).scalar_one())
+
+    def then_cut(real):  # type: ignore[no-untyped-def]
+        def call(dbapi_conn) -> None:  # type: ignore[no-untyped-def]
+            real(dbapi_conn)
+            if not server_id or server_id[-1] in cuts:
+                return
+            with admin.connect() as conn:
+                conn.execute(sa.text("SELECT pg_terminate_backend(:i)" if pg else f"KILL CONNECTION {server_id[-1]}"),
+                             {"i": server_id[-1]})
+                wait_for(lambda: not alive(conn, server_id[-1]), timeout=10, what="the cut connection to go away")
+            cuts.append(server_id[-1])
+        return call
+
+    def enqueue_and_note_connection(conn: sa.Connection, d: jobq._Dialect) -> int:
+        server_id.append(conn.exec_driver_sql("SELECT pg_backend_pid()" if pg else "SELECT CONNECTION_ID()").scalar_one())
+        return jobq.enqueue(conn, "cut_after_commit")
+
+    jobq._prepare(fresh)
+    name = "do_commit" if cut_after == "commit" else "do_rollback"
+    setattr(fresh.dialect, name, then_cut(getattr(fresh.dialect, name)))
+    try:
+        ids = [jobq._transaction(fresh, enqueue_and_note_connection) for _ in range(3)]
+    finally:
+        fresh.dispose()
+        admin.dispose()
+    REPORT.append(f"cut after {cut_after} {engine.dialect.name}: {len(cuts)} of 3 rounds cut, 3 results kept")
+    assert [jobq.get(engine, i).type for i in ids] == ["cut_after_commit"] * 3
+    if cut_after == "commit":
+        assert len(cuts) == 3  # every round's connection was cut, and the pool still served the next
+
+
 def _answers(ping: list[str]) -> bool:
     return subprocess.run(ping, capture_output=True, timeout=30).returncode == 0
 

@@ -52,11 +52,15 @@ def test_claim_sees_jobs_committed_after_its_transaction_began(engine: sa.Engine
 
 
 @only("mysql", "mariadb")
-def test_jobq_transactions_report_read_committed(engine: sa.Engine) -> None:
+def test_jobq_sets_its_isolation_level_per_transaction_only(engine: sa.Engine) -> None:
+    """READ COMMITTED is set for each jobq transaction alone (SET TRANSACTION, whose effect the
+    test above shows); the session keeps the server's default, inside jobq's transaction and
+    after it. So nothing has to be undone when the connection goes back to the pool, where a
+    cut would raise out of close() (see tests/crash, test_a_cut_after_commit_...)."""
     var = "@@transaction_isolation" if jobq._prepare(engine).family == "mysql" else "@@tx_isolation"
     level = jobq._transaction(engine, lambda conn, d: conn.exec_driver_sql(f"SELECT {var}").scalar_one())
-    assert level == "READ-COMMITTED"
-    with engine.connect() as conn:  # the pooled connection goes back to the server default
+    assert level == "REPEATABLE-READ"  # the session's level; this transaction's is READ COMMITTED
+    with engine.connect() as conn:
         assert conn.exec_driver_sql(f"SELECT {var}").scalar_one() == "REPEATABLE-READ"
 
 
