@@ -3426,7 +3426,6 @@ class Worker:
         idempotent: same tokens) and the error is reported."""
         if batch is None and claim is None:
             return None
-        now = self._clock.now()
 
         def write(conn: Connection, d: _Dialect) -> tuple[list[str | None], _T | None]:
             applied: list[str | None] = []
@@ -3438,6 +3437,9 @@ class Worker:
             return applied, (claim(conn, d, now) if claim is not None else None)
 
         try:
+            # Inside the try: the clock's occasional refresh talks to the database too, and a
+            # batch taken from _finished must go back if anything here fails.
+            now = self._clock.now()
             applied, claimed = _transaction(self.engine, write, immediate=True)
         except BaseException as exc:
             if batch is not None:

@@ -216,6 +216,39 @@ def test_handlers_see_lease_loss_through_their_context(engine: sa.Engine) -> Non
     assert info is not None and info.result is None and info.lease_owner == "other"
 
 
+class _ClockThatFailsOnce(jobq._Clock):
+    """The worker's clock refreshes from the database now and then; this one's refresh fails
+    once, the moment ``armed`` is set, with the error a dead connection gives."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        super().__init__(engine)
+        self.armed = threading.Event()
+        self.failed = 0
+
+    def now(self):  # type: ignore[no-untyped-def]
+        if self.armed.is_set() and not self.failed:
+            self.failed += 1
+            raise sa.exc.OperationalError("SELECT clock_timestamp()", None, Exception("server closed the connection"))
+        return super().now()
+
+
+def test_a_clock_refresh_that_fails_loses_no_finished_result(engine: sa.Engine) -> None:
+    """A handler finishes; the tick that would write its result first reads the worker's
+    clock, and that read fails. The result goes back in the queue and the next tick writes it:
+    the job ends done, once, and the worker goes idle. (When the clock was read outside the
+    write's error handling, the result was dropped: the job stayed running under a lease the
+    heartbeat kept renewing, and the worker never went idle.)"""
+    job = jobq.enqueue(engine, "step")
+    events: list[str] = []
+    w = jobq.Worker(engine, {"step": lambda ctx: w._clock.armed.set() or {"ok": True}}, max_concurrency=1,
+                    on_event=lambda ev: events.append(ev.action), **FAST)
+    w._clock = _ClockThatFailsOnce(engine)
+    assert w.run_until_idle(timeout=20) is True
+    assert w._clock.failed == 1 and "db_error" in events
+    info = jobq.get(engine, job)
+    assert (info.state, info.result, info.attempts) == ("done", {"ok": True}, 1)
+
+
 def test_worker_options_are_checked(engine: sa.Engine) -> None:
     h = {"t": lambda ctx: None}
     cases = [
