@@ -57,8 +57,8 @@ def _hold_sqlite_lock(url: str, seconds: float) -> int:
 def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url: str, tmp_path: pathlib.Path) -> None:
     """A worker process drains 200 jobs while its connections are cut at least five times
     (pg_terminate_backend / KILL CONNECTION; on SQLite the write lock is held past every retry).
-    Correct: the process logs db_error, reconnects, finishes with exit 0; every job done, no
-    job finalized twice."""
+    Correct: the process reruns each transaction that lost its connection before COMMIT (or
+    logs db_error and backs off), finishes with exit 0; every job done, no job finalized twice."""
     with engine.begin() as conn:
         # 200 x 50 ms over 3 slots is >= 3.3 s of work: long enough for five cuts to land
         # before the queue drains (the cut loop below does not rely on that alone).
@@ -88,8 +88,8 @@ def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url
     assert [i for i in ids if states[i] != "done"] == []
     assert [i for i, n in finalized(tmp_path).items() if n > 1] == []
     assert cuts >= 3, "the worker's connections were not cut: the test proved nothing"
-    # Whether a cut surfaces as an error depends on timing (a connection killed while idle in
-    # the pool may be replaced before use); report it rather than require it.
+    # Whether a cut surfaces as an error depends on timing (a cut before COMMIT is rerun on a
+    # fresh connection; one during COMMIT, or on SQLite, is an error); report it, not require it.
     errors = sum(1 for a, _ in events(tmp_path) if a == "db_error")
     REPORT.append(f"connection cuts {db_url.split(':')[0]}: {cuts} cuts ({killed} worker connections), {errors} db_error events, "
                   f"{len(ids)} jobs done once")
