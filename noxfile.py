@@ -93,7 +93,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """ruff check and mypy on the module."""
+    """ruff check on everything in the repository, mypy on the module."""
     session.install("ruff", "mypy", "SQLAlchemy>=2.0")
-    session.run("ruff", "check", "jobq.py")
+    session.run("ruff", "check", "jobq.py", "tests", "bench", "scenarios", "noxfile.py")
     session.run("mypy", "jobq.py")

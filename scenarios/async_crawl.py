@@ -62,7 +62,7 @@ async def main(url: str) -> None:
         await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS pages (url VARCHAR(200))"))
 
     ids = []
-    for i, page in enumerate(["a", "b", "c", "d", "e", "slow", "rolled-back"]):
+    for page in ["a", "b", "c", "d", "e", "slow", "rolled-back"]:
         async with AsyncSession(engine) as session:
             target = f"https://example.com/{page}"
             await session.execute(sa.text("INSERT INTO pages (url) VALUES (:u)"), {"u": target})

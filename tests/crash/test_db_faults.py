@@ -116,7 +116,7 @@ def test_a_cut_while_jobq_first_connects_to_a_server_is_retried(engine: sa.Engin
         done = threading.Event()
         cut: list[int] = []
 
-        def killer() -> None:
+        def killer(done: threading.Event = done, cut: list[int] = cut) -> None:
             while not done.is_set() and not cut:
                 if _kill_connections(admin):
                     cut.append(1)

@@ -11,7 +11,6 @@ import sqlalchemy as sa
 import jobq
 from helpers import REPORT, most_surely_in_window
 
-
 # Microsecond rounding of logged times and drift between the database's clock and this
 # machine's monotonic one over a window; not an allowance for delays (see ClaimSpans).
 CLOCK_MARGIN = 0.005

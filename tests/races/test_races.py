@@ -12,9 +12,8 @@ import pathlib
 import pytest
 
 from dbs import only
-from harness import ROUNDS, run_drain, run_last_slot
+from harness import ROUNDS, SUMMARY, run_drain, run_last_slot
 from helpers import most_surely_in_window
-from harness import SUMMARY
 
 TRIALS = 2  # each broken variant runs twice; if neither caught it, up to MAX_TRIALS
 MAX_TRIALS = 8
@@ -44,8 +43,9 @@ def _trials(db_url: str, dialect: str, tmp_path: pathlib.Path, variant: str, cau
     while trials < TRIALS or (not caught and trials < MAX_TRIALS):
         trials += 1
         seed = trials
-        from dbs import wipe  # each trial starts from an empty queue
         import sqlalchemy as sa
+
+        from dbs import wipe  # each trial starts from an empty queue
 
         eng = sa.create_engine(db_url)
         wipe(eng)
@@ -107,8 +107,9 @@ def test_harness_catches_several_winners_of_the_last_slot(db_url: str, dialect: 
     caught = trials = 0
     while trials < TRIALS or (not caught and trials < MAX_TRIALS):
         trials += 1
-        from dbs import wipe
         import sqlalchemy as sa
+
+        from dbs import wipe
 
         eng = sa.create_engine(db_url)
         wipe(eng)
