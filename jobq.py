@@ -2952,14 +2952,23 @@ class _Batch:
 
 class _Clock:
     """The database's clock, read once in a while and carried forward on the monotonic clock,
-    so a jump of this machine's wall clock cannot expire or stretch a lease."""
+    so a jump of this machine's wall clock cannot expire or stretch a lease.
+
+    On SQLite the database's clock *is* this machine's wall clock, read afresh every time: a
+    jump of it is a jump of the database's time, seen by every process at once. Carried
+    forward, it would leave each worker on its own clock until its next refresh, and a worker
+    that had not yet seen a backward jump would reclaim the fresh leases of one that had, and
+    postpone their jobs by the size of the jump (tests/crash/test_clock.py)."""
 
     def __init__(self, engine: Engine, refresh: float = 60.0) -> None:
         self._engine = engine
         self._refresh = refresh
         self._anchor: tuple[_dt.datetime, float] | None = None
+        self._wall = engine.dialect.name == "sqlite"
 
     def now(self) -> _dt.datetime:
+        if self._wall:
+            return _utcnow()
         m = time.monotonic()
         if self._anchor is None or m - self._anchor[1] > self._refresh:
             d = _prepare(self._engine)
