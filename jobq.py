@@ -1039,7 +1039,7 @@ def _transaction(
                         # is checked in, with a round trip outside any error handling: a cut
                         # landing between commit and close raised the driver's raw error out of
                         # close(), after the commit, and leaked the pool slot.
-                        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {d.isolation}")
                     result = fn(conn, d)
                     committing = True
                 return result
