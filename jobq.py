@@ -525,7 +525,7 @@ def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElemen
     """``col IN ids`` for the hot path. PostgreSQL: ``col = ANY(array)``, one bound array, so
     the SQL text is the same for any number of ids and psycopg can prepare it (an IN list is
     new SQL for every length, parsed and planned each time)."""
-    if d.family == "postgresql":
+    if d.array_params:
         return col == sa.any_(ids if isinstance(ids, sa.BindParameter) else sa.literal(list(ids), _pg.ARRAY(sa.BigInteger)))
     if isinstance(ids, sa.BindParameter):
         return col.in_(sa.bindparam(ids.key, expanding=True))
@@ -697,55 +697,77 @@ _MIN_VERSIONS = {"postgresql": (12,), "mysql": (8, 0, 1), "mariadb": (10, 6)}
 
 @dataclasses.dataclass(frozen=True)
 class _Dialect:
-    family: str  # "postgresql" | "mysql" | "mariadb" | "sqlite"
+    """What jobq needs to know about one engine, decided once by _prepare (_capabilities) so
+    runtime code asks a question (``d.returning``) instead of testing a name. Adding an engine
+    means one new row in _capabilities plus its tests."""
+
+    family: str  # "postgresql" | "mysql" | "mariadb" | "sqlite": for messages and cache keys only
     version: tuple[int, ...]
+    #: INSERT ... RETURNING (Oracle MySQL has none: rows are inserted one at a time).
+    returning: bool = True
+    #: CREATE INDEX ... WHERE (PostgreSQL, SQLite); the others index every row.
+    partial_indexes: bool = False
+    #: One bound array for ``IN`` (``= ANY(:ids)``): the same SQL text for any number of ids.
+    array_params: bool = False
+    #: LISTEN/NOTIFY (PostgreSQL).
+    notify_listen: bool = False
+    #: The database's clock is this machine's clock (embedded SQLite).
+    local_clock: bool = False
+    #: Row locks exist: FOR UPDATE [SKIP LOCKED] (servers). SQLite serialises writers instead,
+    #: with BEGIN IMMEDIATE, and silently ignores FOR UPDATE.
+    row_locks: bool = True
+    #: PostgreSQL's FOR NO KEY UPDATE / FOR KEY SHARE lock strengths.
+    key_share_locks: bool = False
+    #: Isolation level of jobq's transactions (None: the engine's own, serialisable SQLite).
+    isolation: str | None = "READ COMMITTED"
+    #: Set the isolation level with a statement inside each transaction (MySQL/MariaDB) rather
+    #: than as a client-side execution option sent with BEGIN (psycopg, asyncpg).
+    isolation_stmt: bool = False
+    #: SQL that reads the database clock as naive UTC (None: read this machine's clock).
+    now_sql: str | None = None
+    #: Driver error codes after which the whole transaction is rolled back and may rerun.
+    retry_codes: frozenset[Any] = frozenset()
+    #: Per-transaction planner settings and table storage settings (PostgreSQL).
+    tunable: bool = False
+    #: Deepest JSON nesting the engine stores (MariaDB's JSON_VALID stops at 32 levels).
+    json_max_depth: int | None = None
+    #: How long a name column may be compared exactly (MySQL/MariaDB compare with PAD SPACE).
+    pad_space: bool = False
 
     @property
     def is_sqlite(self) -> bool:
-        return self.family == "sqlite"
+        # kept for callers that predate the capability fields: "no row locks, one writer"
+        return not self.row_locks
 
     @property
     def is_mysql_family(self) -> bool:
-        return self.family in ("mysql", "mariadb")
-
-    @property
-    def isolation(self) -> str | None:
-        # READ COMMITTED everywhere but SQLite: MySQL's default REPEATABLE READ would let a
-        # claim or a rollup work from a snapshot that misses rows committed meanwhile.
-        return None if self.is_sqlite else "READ COMMITTED"
+        return self.isolation_stmt
 
     def lock_skip(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Exclusive row locks that skip rows another transaction holds (the claim read)."""
-        if self.family == "postgresql":
-            # FOR NO KEY UPDATE: plain FOR UPDATE would block inserts of job_deps rows whose
-            # foreign key references the claimed job.
-            return stmt.with_for_update(skip_locked=True, key_share=True)
-        if self.is_mysql_family:
-            # Exclusive only: SQLAlchemy renders read=True+skip_locked as
-            # "LOCK IN SHARE MODE SKIP LOCKED", which Oracle MySQL rejects (sqlalchemy#10134).
-            return stmt.with_for_update(skip_locked=True)
-        return stmt  # SQLite: BEGIN IMMEDIATE already holds the database's write lock
+        if not self.row_locks:
+            return stmt  # SQLite: BEGIN IMMEDIATE already holds the database's write lock
+        # PostgreSQL: FOR NO KEY UPDATE: plain FOR UPDATE would block inserts of job_deps rows
+        # whose foreign key references the claimed job. MySQL/MariaDB: exclusive only, since
+        # SQLAlchemy renders read=True+skip_locked as "LOCK IN SHARE MODE SKIP LOCKED", which
+        # Oracle MySQL rejects (sqlalchemy#10134).
+        return stmt.with_for_update(skip_locked=True, key_share=self.key_share_locks)
 
     def lock_wait(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Exclusive row locks that wait (the cap's serialisation point)."""
-        if self.is_sqlite:
+        if not self.row_locks:
             return stmt
-        if self.family == "postgresql":
-            return stmt.with_for_update(key_share=True)
-        return stmt.with_for_update()
+        return stmt.with_for_update(key_share=self.key_share_locks)
 
     def lock_share(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Shared row locks: upstream rows read by enqueue, so a concurrent finalize waits."""
-        return stmt if self.is_sqlite else stmt.with_for_update(read=True)
+        return stmt.with_for_update(read=True) if self.row_locks else stmt
 
     def db_now(self, conn: Connection) -> _dt.datetime:
         """The database's current time, naive UTC, microsecond precision."""
-        if self.family == "postgresql":
-            value = conn.exec_driver_sql("SELECT clock_timestamp() AT TIME ZONE 'UTC'").scalar_one()
-        elif self.is_mysql_family:
-            value = conn.exec_driver_sql("SELECT UTC_TIMESTAMP(6)").scalar_one()
-        else:  # embedded: the database's clock is this machine's clock
+        if self.now_sql is None:  # embedded: the database's clock is this machine's clock
             return _utcnow()
+        value = conn.exec_driver_sql(self.now_sql).scalar_one()
         return value if isinstance(value, _dt.datetime) else _dt.datetime.fromisoformat(str(value))
 
     def pin_index_plans(self, conn: Connection) -> None:
@@ -755,7 +777,7 @@ class _Dialect:
         made the planner read the whole table instead, on every tick. JIT goes off with it:
         a disabled seq scan is costed so high that JIT compilation (about 100 ms) would start
         on every tick. Once per transaction."""
-        if self.family == "postgresql" and conn.info.get("jobq_pinned") is not conn.get_transaction():
+        if self.tunable and conn.info.get("jobq_pinned") is not conn.get_transaction():
             conn.exec_driver_sql("SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)")
             conn.info["jobq_pinned"] = conn.get_transaction()
 
@@ -764,7 +786,7 @@ class _Dialect:
         HOT updates (heartbeats and finalizes rewrite rows in place when no indexed column
         changes and the page has space), and autovacuum that starts early instead of after 20%
         of a large table has turned into dead rows."""
-        if self.family == "postgresql":
+        if self.tunable:
             conn.exec_driver_sql(
                 "ALTER TABLE jobs SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02, "
                 "autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_limit = 2000)"
@@ -773,23 +795,57 @@ class _Dialect:
     def notify(self, conn: Connection) -> None:
         """Wake listening workers when this transaction commits (PostgreSQL only; a rollback
         sends nothing). Polling stays on everywhere, so a lost notification only costs latency."""
-        if self.family == "postgresql" and PG_NOTIFY_CHANNEL:
+        if self.notify_listen and PG_NOTIFY_CHANNEL:
             conn.execute(sa.text("SELECT pg_notify(:channel, '')"), {"channel": PG_NOTIFY_CHANNEL})
+
+    def begin(self, conn: Connection) -> None:
+        """Statements that open each jobq transaction (MySQL/MariaDB: its isolation level)."""
+        if self.isolation_stmt and self.isolation:
+            # For this transaction only, as a statement inside it. The session-level setting
+            # (execution_options) is undone by the pool when the connection is checked in,
+            # with a round trip outside any error handling: a cut landing between commit and
+            # close raised the driver's raw error out of close(), after the commit, and leaked
+            # the pool slot.
+            conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}")
 
     def retryable(self, exc: BaseException) -> bool:
         """Errors after which the whole transaction was (or must be) rolled back and may rerun."""
         orig = getattr(exc, "orig", None)
-        if self.family == "postgresql":
+        if self.row_locks:
             code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-            # serialization failure, deadlock, lock_not_available
-            return code in ("40001", "40P01", "55P03")
-        if self.is_mysql_family:
-            args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
-            # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only
-            # the statement was rolled back: we roll back the rest ourselves before retrying).
-            return bool(args) and args[0] in (1213, 1205)
+            if code is None:
+                args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+                code = args[0] if args else None
+            return code in self.retry_codes
         text = str(orig or exc).lower()
         return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+
+
+def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
+    """One row per engine: everything jobq branches on is decided here."""
+    if family == "postgresql":
+        return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True,
+                        key_share_locks=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
+                        # serialization failure, deadlock, lock_not_available
+                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True)
+    if family in ("mysql", "mariadb"):
+        # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
+        # statement was rolled back: _transaction rolls back the rest before retrying).
+        return _Dialect(family, version, returning=family == "mariadb", isolation_stmt=True,
+                        now_sql="SELECT UTC_TIMESTAMP(6)", retry_codes=frozenset({1213, 1205}),
+                        json_max_depth=32 if family == "mariadb" else None, pad_space=True)
+    # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
+    return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None)
+
+
+def _listen_supported(engine: Engine) -> bool:
+    """LISTEN needs PostgreSQL through psycopg (3), whose connections jobq opens itself."""
+    return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+
+
+def _local_clock(engine: Engine) -> bool:
+    """Whether this engine's clock is this machine's (decided without a connection)."""
+    return engine.dialect.name == "sqlite"
 
 
 #: PostgreSQL channel that enqueue, released dependents and reclaims notify; None: no NOTIFY.
@@ -798,7 +854,7 @@ PG_NOTIFY_CHANNEL: str | None = "jobq"
 
 def _listener_connection(engine: Engine) -> Any:
     """A dedicated psycopg (3) connection in autocommit, LISTENing on PG_NOTIFY_CHANNEL."""
-    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+    if not _listen_supported(engine):
         raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
     cargs, cparams = engine.dialect.create_connect_args(engine.url)
     cparams = {**cparams, "autocommit": True, "application_name": "jobq-listener"}
@@ -894,7 +950,7 @@ def _prepare(engine: Engine) -> _Dialect:
         if d is None:
             if family == "sqlite":
                 _install_sqlite_hooks(engine)
-            d = _DIALECTS[engine] = _Dialect(family, version)
+            d = _DIALECTS[engine] = _capabilities(family, version)
         return d
 
 
@@ -1019,11 +1075,11 @@ def _transaction(
         try:
             with _sqlite_writer(engine, d), engine.connect() as conn:
                 try:
-                    if d.family == "postgresql":
+                    if d.isolation and not d.isolation_stmt:
                         # psycopg and asyncpg keep this on the client and send it with BEGIN,
                         # as does SQLAlchemy's reset when the connection goes back to the pool.
                         conn.execution_options(isolation_level=d.isolation)
-                    elif immediate and d.is_sqlite:
+                    elif immediate and not d.row_locks:
                         conn.execution_options(jobq_immediate=True)
                 except dbapi_error as raw:
                     # A driver that does talk to the server here does so outside SQLAlchemy's
@@ -1033,13 +1089,7 @@ def _transaction(
                     raise sa.exc.OperationalError("SET TRANSACTION ISOLATION LEVEL", None, raw) from raw
                 started = True
                 with conn.begin():
-                    if d.is_mysql_family:
-                        # For this transaction only, as a statement inside it. The session-level
-                        # setting (execution_options) is undone by the pool when the connection
-                        # is checked in, with a round trip outside any error handling: a cut
-                        # landing between commit and close raised the driver's raw error out of
-                        # close(), after the commit, and leaked the pool slot.
-                        conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {d.isolation}")
+                    d.begin(conn)
                     result = fn(conn, d)
                     committing = True
                 return result
@@ -1376,7 +1426,7 @@ def create_schema(engine: Engine) -> None:
         if rows:
             conn.execute(sa.insert(_meta), rows)
         if "schema_version" in have:
-            _upgrade(conn, int(have["schema_version"]))
+            _upgrade(conn, d, int(have["schema_version"]))
 
     try:
         _transaction(engine, seed, immediate=True)
@@ -1384,7 +1434,7 @@ def create_schema(engine: Engine) -> None:
         pass
 
 
-def _upgrade(conn: Connection, found: int) -> None:
+def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
     """Bring a database created by an earlier jobq up to SCHEMA_VERSION, step by step. Each
     step is idempotent (a crash between a step and the version update reruns it safely)."""
     if found > SCHEMA_VERSION:
@@ -1400,7 +1450,7 @@ def _upgrade(conn: Connection, found: int) -> None:
         inspector = sa.inspect(conn)
         if "n" not in {c["name"] for c in inspector.get_columns("jobq_starts")}:
             conn.exec_driver_sql("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 NOT NULL")
-        if conn.dialect.name in ("postgresql", "sqlite"):
+        if d.partial_indexes:
             names = {i["name"] for i in inspector.get_indexes("jobs")}
             if "ix_jobs_state_finished" in names:
                 conn.exec_driver_sql("DROP INDEX ix_jobs_state_finished")
@@ -1843,7 +1893,7 @@ def _insert_graph(
 
 def _insert_rows(conn: Connection, d: _Dialect, rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """Insert job rows and return their ids in order (one statement where RETURNING allows)."""
-    if d.family == "mysql":  # no INSERT ... RETURNING on MySQL: one row at a time
+    if not d.returning:  # no INSERT ... RETURNING on MySQL: one row at a time
         return [int(conn.execute(sa.insert(_jobs).values(**r)).inserted_primary_key[0]) for r in rows]  # type: ignore[index]
     result = conn.execute(sa.insert(_jobs).returning(_c.id, sort_by_parameter_order=True), list(rows))
     return [int(x) for x in result.scalars()]
@@ -2964,7 +3014,7 @@ class _Clock:
         self._engine = engine
         self._refresh = refresh
         self._anchor: tuple[_dt.datetime, float] | None = None
-        self._wall = engine.dialect.name == "sqlite"
+        self._wall = _local_clock(engine)
 
     def now(self) -> _dt.datetime:
         if self._wall:
@@ -3107,7 +3157,7 @@ class Worker:
         self.shutdown_timeout = _check_seconds(shutdown_timeout, "shutdown_timeout", ConfigError, optional=False) or 30.0
         self.executor = executor
         self.listen = bool(listen)
-        if self.listen and (engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg"):
+        if self.listen and not _listen_supported(engine):
             raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
         self._mp = multiprocessing.get_context(start_method)
         self.on_event = on_event
