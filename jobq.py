@@ -221,7 +221,7 @@ class ConfigError(JobqError, ValueError):
 #   running   a Worker is executing it under a lease
 #   done / failed / cancelled   terminal
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -291,6 +291,9 @@ class Job(Base):
     pending_deps: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0)
     pending_children: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0)
     failed_children: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0)
+    #: The upstream (or enclosing container) whose failure or cancellation closed this job
+    #: (schema 3): retry re-opens by this relation, never by parsing ``error``.
+    closed_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
 
     __table_args__ = (
         # The claim's scan: ready rows per group, oldest due first. Partial where the engine
@@ -1457,6 +1460,10 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
             for name in ("ix_jobs_finished", "ix_jobs_waiting"):
                 if name not in names:
                     next(i for i in _jobs.indexes if i.name == name).create(conn)
+    if found < 3:
+        # 2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it).
+        if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
+            conn.exec_driver_sql("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
     if found < SCHEMA_VERSION:
         conn.execute(sa.update(_meta).where(_meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
         logger.info("jobq schema upgraded from version %d to %d", found, SCHEMA_VERSION)

@@ -49,13 +49,14 @@ def test_a_schema_1_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
 
     insp = sa.inspect(engine)
     assert "n" in {c["name"] for c in insp.get_columns("jobq_starts")}
+    assert "closed_by" in {c["name"] for c in insp.get_columns("jobs")}  # schema 3
     indexes = {i["name"] for i in insp.get_indexes("jobs")}
     if engine.dialect.name in ("postgresql", "sqlite"):
         assert {"ix_jobs_finished", "ix_jobs_waiting"} <= indexes and "ix_jobs_state_finished" not in indexes
     else:
         assert "ix_jobs_state_finished" in indexes
     with engine.connect() as conn:
-        assert conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar() == "2"
+        assert conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar() == str(jobq.SCHEMA_VERSION)
         assert conn.execute(sa.select(sa.func.sum(jobq._starts.c.n))).scalar() == 3  # old rows count one start each
     # the old starts still count against a rate limit: 3 of 5 per minute are used
     assert len(jobq.claim_batch(engine, "w", 30, limit=5, rate_limits={"g": (5, 60.0)})) == 2
@@ -67,6 +68,9 @@ def test_a_schema_1_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
     assert w.run_until_idle(timeout=30)
     assert len(done) == 5
     assert jobq.stats(engine, window=dt.timedelta(days=7))["states"]["done"] == 6
+    # Leave the fresh schema the other tests expect (the fixture creates it once per database).
+    jobq.Base.metadata.drop_all(engine)
+    jobq.create_schema(engine)
 
 
 def test_a_database_from_a_newer_jobq_is_refused(engine: sa.Engine) -> None:
