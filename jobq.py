@@ -316,7 +316,10 @@ class Job(Base):
         _mysql_index("ix_jobs_state_finished", "state", "finished_at"),
         # stats() counts blocked jobs through this (schema 2); on MySQL/MariaDB the state index.
         _partial_index("ix_jobs_waiting", "group_key", where="state = 'waiting'"),
-        {"mysql_engine": "InnoDB", "mariadb_engine": "InnoDB"},
+        # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
+        # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
+        # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
+        {"mysql_engine": "InnoDB", "mariadb_engine": "InnoDB", "sqlite_autoincrement": True},
     )
 
 
@@ -387,12 +390,100 @@ _c = _jobs.c
 _CLAIM_LOCK_KEY = "claim_lock"
 
 
+# ---- schema version and upgrades --------------------------------------------------------------
+# create_schema (queue API) creates what is missing, seeds jobq_meta with these statements and
+# calls _upgrade, all in one transaction serialised by the dialect's _schema_guard.
+
+_Q_META_ROWS = sa.select(_meta.c.key, _meta.c.value)
+_Q_SEED_META = sa.insert(_meta)
+_Q_SET_SCHEMA_VERSION = (
+    sa.update(_meta).where(_meta.c.key == "schema_version").values(value=sa.bindparam("b_value", type_=sa.String(200)))
+)
+_DDL_STARTS_N = sa.DDL("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 NOT NULL")
+_DDL_DROP_STATE_FINISHED = sa.DDL("DROP INDEX ix_jobs_state_finished")
+_DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
+_Q_SQLITE_JOBS_SQL = sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'")
+_Q_SQLITE_OLD_INDEXES = sa.text(
+    "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobq_jobs_old' AND sql IS NOT NULL"
+)
+
+
+def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
+    """Bring a database created by an earlier jobq up to SCHEMA_VERSION, step by step. Each
+    step is idempotent (a crash between a step and the version update reruns it safely)."""
+    if found > SCHEMA_VERSION:
+        raise JobqError(
+            f"the database has jobq schema version {found}, newer than this jobq.py ({SCHEMA_VERSION}): "
+            "upgrade the vendored jobq.py"
+        )
+    if found < 2:
+        # 1 -> 2: jobq_starts counts the jobs of one claim per row (one row per group per
+        # claim instead of one per job); finished rows get a partial index of their own
+        # instead of a (state, finished_at) index that every claim wrote to; waiting rows
+        # get one for stats().
+        inspector = sa.inspect(conn)
+        if "n" not in {c["name"] for c in inspector.get_columns("jobq_starts")}:
+            conn.execute(_DDL_STARTS_N)
+        if d.partial_indexes:
+            names = {i["name"] for i in inspector.get_indexes("jobs")}
+            if "ix_jobs_state_finished" in names:
+                conn.execute(_DDL_DROP_STATE_FINISHED)
+            for name in ("ix_jobs_finished", "ix_jobs_waiting"):
+                if name not in names:
+                    next(i for i in _jobs.indexes if i.name == name).create(conn)
+    if found < 3:
+        # 2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it).
+        if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
+            conn.execute(_DDL_CLOSED_BY)
+    if d.rowid_reuse:
+        # Also part of 2 -> 3, checked on every start (one catalogue read): a jobs table made
+        # before it (by any version) still hands out pruned ids again.
+        _autoincrement_jobs(conn)
+    if found < SCHEMA_VERSION:
+        conn.execute(_Q_SET_SCHEMA_VERSION, {"b_value": str(SCHEMA_VERSION)})
+        logger.info("jobq schema upgraded from version %d to %d", found, SCHEMA_VERSION)
+
+
+def _autoincrement_jobs(conn: Connection) -> None:
+    """SQLite: rebuild a ``jobs`` table declared without AUTOINCREMENT in place (SQLite cannot
+    add it to an existing table). The largest id ever used then stays in sqlite_sequence.
+
+    Renamed with legacy_alter_table on, so that job_deps' foreign keys (and the table's own
+    parent_id) keep naming ``jobs``. Needs foreign-key enforcement off, as jobq's connections
+    have it: with it on, dropping the old table would cascade into job_deps."""
+    ddl = conn.execute(_Q_SQLITE_JOBS_SQL).scalar()
+    if ddl is None or "AUTOINCREMENT" in ddl.upper():
+        return
+    if conn.exec_driver_sql("PRAGMA foreign_keys").scalar():
+        raise JobqError("upgrading a SQLite jobs table needs PRAGMA foreign_keys = OFF for create_schema")
+    cols = ", ".join(f'"{c.name}"' for c in _jobs.columns)
+    conn.exec_driver_sql("PRAGMA legacy_alter_table = ON")
+    try:
+        conn.exec_driver_sql("ALTER TABLE jobs RENAME TO jobq_jobs_old")
+        for name in list(conn.execute(_Q_SQLITE_OLD_INDEXES).scalars()):
+            conn.exec_driver_sql(f'DROP INDEX "{name}"')
+        _jobs.create(conn)
+        conn.exec_driver_sql(f"INSERT INTO jobs ({cols}) SELECT {cols} FROM jobq_jobs_old")
+        conn.exec_driver_sql("DROP TABLE jobq_jobs_old")
+    finally:
+        conn.exec_driver_sql("PRAGMA legacy_alter_table = OFF")
+    logger.info("jobq: rebuilt the SQLite jobs table with AUTOINCREMENT (ids are never reused)")
+
+
 # =============================================================================================
 # SQL statements
 # =============================================================================================
 # The only place jobq writes SQL. Each builder returns a statement; callers bind `now` so that
 # tests own the clock. State predicates are rendered as literals so PostgreSQL can match the
 # partial indexes even under generic plans.
+#
+# Builders take the `_Dialect` of the next section: a forward reach in annotations only (they
+# are postponed, `from __future__ import annotations`), and at run time only its capability
+# methods (lock_skip, array_params), which exist by the time any builder is called. Statements
+# that differ by engine in more than a lock clause live in the dialect section instead.
+
+
+# ---- ready set and claim ----------------------------------------------------------------------
 
 
 def _state_is(*states: str) -> sa.ColumnElement[bool]:
@@ -424,14 +515,23 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
 # The distinct groups with ready jobs, by a skip scan of the ready index: one index probe per
 # group, however many jobs each group has ready (a GROUP BY would read the whole ready set).
 # Neither run_after nor the types are checked here; _q_group_counts does, per group, bounded.
-_Q_READY_GROUPS = sa.text(
-    "WITH RECURSIVE g(k) AS ("
-    " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' ORDER BY group_key LIMIT 1)"
-    " UNION ALL"
-    " SELECT (SELECT j.group_key FROM jobs j WHERE j.state = 'ready' AND j.group_key > g.k"
-    " ORDER BY j.group_key LIMIT 1) FROM g WHERE g.k IS NOT NULL"
-    ") SELECT k FROM g WHERE k IS NOT NULL"
-).columns(k=_NAME)
+# One recursion level per group: `hint` lifts a recursion limit where the engine has one.
+def _ready_groups(hint: str = "") -> sa.TextualSelect:
+    return sa.text(
+        "WITH RECURSIVE g(k) AS ("
+        " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' ORDER BY group_key LIMIT 1)"
+        " UNION ALL"
+        " SELECT (SELECT j.group_key FROM jobs j WHERE j.state = 'ready' AND j.group_key > g.k"
+        " ORDER BY j.group_key LIMIT 1) FROM g WHERE g.k IS NOT NULL"
+        f") SELECT {hint}k FROM g WHERE k IS NOT NULL"
+    ).columns(k=_NAME)
+
+
+_Q_READY_GROUPS = _ready_groups()
+
+
+def _q_ready_groups(d: _Dialect) -> sa.TextualSelect:
+    return _prebuilt(d, "ready_groups", lambda: _ready_groups(d.recursion_hint))
 
 
 def _q_group_counts(groups: Sequence[str], now: _dt.datetime, types: Sequence[str] | None, limit: int) -> sa.CompoundSelect:
@@ -477,7 +577,7 @@ _STATEMENTS: dict[tuple[str, str], Any] = {}
 def _prebuilt(d: _Dialect, name: str, build: Callable[[], _T]) -> _T:
     """A hot-path statement built once per dialect family: executing a prebuilt statement with
     bound parameters skips SQLAlchemy's per-call construction (and reuses its compiled form)."""
-    key = (d.family, name)
+    key = (d.statement_key, name)
     stmt = _STATEMENTS.get(key)
     if stmt is None:
         stmt = _STATEMENTS[key] = build()
@@ -516,13 +616,6 @@ def _q_starts_since(since: _dt.datetime, groups: Sequence[str] | None) -> sa.Sel
 _Q_SLOTS_IN_USE = sa.union_all(_Q_IN_FLIGHT_BY_GROUP, _Q_HELD_SLOTS_BY_GROUP)  # one round trip
 
 
-def _in_flight_counts(conn: Connection, now: _dt.datetime) -> dict[str, int]:
-    """Slots in use per group: leased/running jobs plus slots held by abandoned handlers."""
-    counts: dict[str, int] = {}
-    for g, n in conn.execute(_Q_SLOTS_IN_USE, {"b_now": now}):
-        counts[g] = counts.get(g, 0) + n
-    return counts
-
 
 def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElement[bool]:
     """``col IN ids`` for the hot path. PostgreSQL: ``col = ANY(array)``, one bound array, so
@@ -559,6 +652,30 @@ def _q_lease(d: _Dialect) -> sa.Update:
 
 _Q_LOG_STARTS = sa.insert(_starts)
 _Q_LOCK_CLAIM = sa.select(_meta.c.key).where(_meta.c.key == _CLAIM_LOCK_KEY)
+
+
+def _q_lock_claim(d: _Dialect) -> sa.Select[Any]:
+    """The capped claim's serialisation point: the claim_lock row, locked (waiting) for the
+    rest of the transaction."""
+    return _prebuilt(d, "lock_claim", lambda: d.lock_wait(_Q_LOCK_CLAIM))
+
+
+# ---- finalize / fail / release ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What one dispatch reports for its job, written by _apply_outcomes (queue API) through
+    the builders below."""
+
+    job_id: int
+    owner: str | None
+    token: str | None
+    kind: str  # "done" | "retry" | "failed" | "release"
+    result: Any = None
+    error: str | None = None
+    delay: float = 0.0  # seconds before a retry may run
+    parent_id: int | None = -1  # the job's container if the caller knows it (-1: look it up)
 
 
 def _fence(job_id: int, owner: str | None, token: str | None, *, cancelled: bool = False) -> list[sa.ColumnElement[bool]]:
@@ -612,6 +729,21 @@ def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None
     )
 
 
+def _q_landed(ids: Sequence[int], now: _dt.datetime, tokens: Iterable[str | None]) -> sa.Select[Any]:
+    # After a batch finish refused some rows: the rows it did finish carry exactly this `now`.
+    return sa.select(_c.id).where(_c.id.in_(ids), _state_is("done"), _c.finished_at == now,
+                                  _c.lease_token.in_(set(tokens)))
+
+
+def _q_done_under(job_id: int, token: str) -> sa.Select[Any]:
+    # A retried finalize whose first COMMIT landed finds the row done under its own token.
+    return sa.select(_c.id).where(_c.id == job_id, _state_is("done"), _c.lease_token == token)
+
+
+def _q_attempts(job_id: int, owner: str) -> sa.Select[Any]:
+    return sa.select(_c.attempts, _c.max_attempts).where(_c.id == job_id, _state_is(*_LIVE), _c.lease_owner == owner)
+
+
 _Q_FREE_SLOT = sa.delete(_slots).where(_slots.c.token == sa.bindparam("b_token"), _slots.c.job_id == sa.bindparam("b_id"))
 
 
@@ -632,6 +764,9 @@ def _q_release(job_id: int, owner: str | None, token: str | None, now: _dt.datet
     )
 
 
+# ---- heartbeat --------------------------------------------------------------------------------
+
+
 def _q_heartbeat(ids: list[int], token: str, now: _dt.datetime, expires: _dt.datetime) -> sa.Update:
     return (
         sa.update(_jobs)
@@ -642,6 +777,22 @@ def _q_heartbeat(ids: list[int], token: str, now: _dt.datetime, expires: _dt.dat
 
 def _q_held(ids: list[int], token: str) -> sa.Select[Any]:
     return sa.select(_c.id, _c.cancel_requested).where(_c.id.in_(ids), _c.lease_token == token, _state_is(*_LIVE))
+
+
+# ---- reclaim and housekeeping -----------------------------------------------------------------
+
+
+_Q_SWEEP_SLOTS = sa.delete(_slots).where(_slots.c.expires <= sa.bindparam("b_now", type_=_TS))
+_Q_SWEEP_STARTS = sa.delete(_starts).where(_starts.c.started_at < sa.bindparam("b_before", type_=_TS))
+
+
+def _q_reclaim_cancelled(ids: list[int], now: _dt.datetime) -> sa.Update:
+    # As _q_reclaim: a row that finished or was re-leased since it was read is left alone.
+    return (
+        sa.update(_jobs).where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
+        .values(state="cancelled", error="cancelled; its worker stopped heartbeating", finished_at=now,
+                updated_at=now, **_CLEAR_LEASE)
+    )
 
 
 def _q_expired(now: _dt.datetime, limit: int) -> sa.Select[Any]:
@@ -677,6 +828,37 @@ def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
         error=_text_concat("lease expired on attempt ", _c.attempts, " (worker crashed or stalled); reclaimed"),
         **_CLEAR_LEASE,
     )
+
+
+# ---- prune ------------------------------------------------------------------------------------
+
+
+def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
+    """Finished jobs older than ``cutoff`` that nothing still needs: no unfinished dependent,
+    no unfinished container, no remaining child. Found through ix_jobs_finished (keep in sync)."""
+    dependent = sa.alias(_jobs, "dependent")
+    parent = sa.alias(_jobs, "parent")
+    child = sa.alias(_jobs, "child")
+    return sa.select(_c.id).where(
+        # both literal: the first is ix_jobs_finished's predicate, spelled as the index spells
+        # it (SQLite matches partial indexes by exact terms)
+        _state_is(*TERMINAL), _state_is(*states), _c.finished_at < cutoff,
+        ~sa.exists().where(_deps.c.depends_on_id == _c.id, dependent.c.id == _deps.c.job_id,
+                           dependent.c.state.not_in(TERMINAL)),
+        ~sa.exists().where(parent.c.id == _c.parent_id, parent.c.state.not_in(TERMINAL)),
+        ~sa.exists().where(child.c.parent_id == _c.id),
+    ).order_by(_c.finished_at).limit(batch)
+
+
+def _q_delete_edges(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_deps).where(sa.or_(_deps.c.job_id.in_(ids), _deps.c.depends_on_id.in_(ids)))
+
+
+def _q_delete_jobs(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_jobs).where(_c.id.in_(ids))
+
+
+# ---- shared expressions -----------------------------------------------------------------------
 
 
 def _text_concat(*parts: Any) -> sa.ColumnElement[str]:
@@ -736,6 +918,22 @@ class _Dialect:
     json_max_depth: int | None = None
     #: How long a name column may be compared exactly (MySQL/MariaDB compare with PAD SPACE).
     pad_space: bool = False
+    #: Without AUTOINCREMENT the primary key hands out the largest id + 1 again (SQLite), so
+    #: an old jobs table is rebuilt by _upgrade.
+    rowid_reuse: bool = False
+    #: (lock, unlock) statements that serialise create_schema across processes: a transaction
+    #: advisory lock (PostgreSQL, no unlock), a named session lock (MySQL/MariaDB: their DDL
+    #: commits implicitly, so the lock must outlive transactions). None: BEGIN IMMEDIATE (SQLite).
+    schema_lock: tuple[str, str | None] | None = None
+    #: An optimizer hint for the recursive skip scan over groups (Oracle MySQL stops recursion
+    #: at cte_max_recursion_depth, 1,000 by default: one level per group with ready work).
+    recursion_hint: str = ""
+
+    @property
+    def statement_key(self) -> str:
+        """What a prebuilt statement may depend on: _prebuilt keeps one per engine family,
+        since capabilities are decided per family (and a server version adds none yet)."""
+        return self.family
 
     @property
     def is_sqlite(self) -> bool:
@@ -830,15 +1028,28 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
         return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True,
                         key_share_locks=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
                         # serialization failure, deadlock, lock_not_available
-                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True)
+                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True,
+                        schema_lock=(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None))
     if family in ("mysql", "mariadb"):
         # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
         # statement was rolled back: _transaction rolls back the rest before retrying).
+        # MariaDB's own limit (max_recursive_iterations) is 4 billion and it has no SET_VAR.
         return _Dialect(family, version, returning=family == "mariadb", isolation_stmt=True,
                         now_sql="SELECT UTC_TIMESTAMP(6)", retry_codes=frozenset({1213, 1205}),
-                        json_max_depth=32 if family == "mariadb" else None, pad_space=True)
+                        json_max_depth=32 if family == "mariadb" else None, pad_space=True,
+                        schema_lock=(f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
+                                     f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')"),
+                        recursion_hint="" if family == "mariadb" else
+                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ")
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
-    return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None)
+    return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
+                    rowid_reuse=True)
+
+
+#: The lock concurrent create_schema calls queue on: a PostgreSQL advisory lock id ("jobq" in
+#: ASCII) and a MySQL/MariaDB GET_LOCK name.
+_SCHEMA_LOCK_ID = 0x6A6F6271
+_SCHEMA_LOCK_NAME = "jobq_schema"
 
 
 def _listen_supported(engine: Engine) -> bool:
@@ -1040,6 +1251,26 @@ def _sqlite_lockfile(engine: Engine) -> int | None:
         return None
     _SQLITE_LOCKFILES[engine] = (os.getpid(), fd)
     return fd
+
+
+@contextlib.contextmanager
+def _schema_guard(engine: Engine, d: _Dialect) -> Iterator[Connection]:
+    """One transaction for create_schema's checks, DDL and seeding, serialised against every
+    other create_schema on the same database (d.schema_lock; SQLite: BEGIN IMMEDIATE, which
+    takes the write lock before the first check)."""
+    with _sqlite_writer(engine, d), engine.connect() as conn:
+        if not d.row_locks:
+            conn.execution_options(jobq_immediate=True)
+        lock, unlock = d.schema_lock or (None, None)
+        try:
+            with conn.begin():
+                if lock is not None and conn.exec_driver_sql(lock).scalar() != 1 and unlock is not None:
+                    raise JobqError("create_schema: timed out waiting for another process's create_schema")
+                yield conn
+        finally:
+            if unlock is not None and not conn.invalidated:
+                conn.exec_driver_sql(unlock)
+                conn.commit()
 
 
 #: How many times a transaction is rerun after a deadlock, lock timeout or SQLITE_BUSY.
@@ -1416,57 +1647,21 @@ def create_schema(engine: Engine) -> None:
     Raises:
         UnsupportedDatabase: the dialect or server version is not supported.
     """
-    _prepare(engine)
-    Base.metadata.create_all(engine, checkfirst=True)
-
-    def seed(conn: Connection, d: _Dialect) -> None:
+    d = _prepare(engine)
+    # Many processes call this at once when a deployment starts: the check for missing tables
+    # and their creation race unless serialised (one would fail with "already exists").
+    with _schema_guard(engine, d) as conn:
+        Base.metadata.create_all(conn, checkfirst=True)
         d.tune_tables(conn)
-        have: dict[str, str] = {k: v for k, v in conn.execute(sa.select(_meta.c.key, _meta.c.value))}
+        have: dict[str, str] = {k: v for k, v in conn.execute(_Q_META_ROWS)}
         rows = [
             {"key": k, "value": v}
             for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, "")) if k not in have
         ]
         if rows:
-            conn.execute(sa.insert(_meta), rows)
+            conn.execute(_Q_SEED_META, rows)
         if "schema_version" in have:
             _upgrade(conn, d, int(have["schema_version"]))
-
-    try:
-        _transaction(engine, seed, immediate=True)
-    except sa.exc.IntegrityError:  # another process seeded it at the same moment
-        pass
-
-
-def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
-    """Bring a database created by an earlier jobq up to SCHEMA_VERSION, step by step. Each
-    step is idempotent (a crash between a step and the version update reruns it safely)."""
-    if found > SCHEMA_VERSION:
-        raise JobqError(
-            f"the database has jobq schema version {found}, newer than this jobq.py ({SCHEMA_VERSION}): "
-            "upgrade the vendored jobq.py"
-        )
-    if found < 2:
-        # 1 -> 2: jobq_starts counts the jobs of one claim per row (one row per group per
-        # claim instead of one per job); finished rows get a partial index of their own
-        # instead of a (state, finished_at) index that every claim wrote to; waiting rows
-        # get one for stats().
-        inspector = sa.inspect(conn)
-        if "n" not in {c["name"] for c in inspector.get_columns("jobq_starts")}:
-            conn.exec_driver_sql("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 NOT NULL")
-        if d.partial_indexes:
-            names = {i["name"] for i in inspector.get_indexes("jobs")}
-            if "ix_jobs_state_finished" in names:
-                conn.exec_driver_sql("DROP INDEX ix_jobs_state_finished")
-            for name in ("ix_jobs_finished", "ix_jobs_waiting"):
-                if name not in names:
-                    next(i for i in _jobs.indexes if i.name == name).create(conn)
-    if found < 3:
-        # 2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it).
-        if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
-            conn.exec_driver_sql("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
-    if found < SCHEMA_VERSION:
-        conn.execute(sa.update(_meta).where(_meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
-        logger.info("jobq schema upgraded from version %d to %d", found, SCHEMA_VERSION)
 
 
 @dataclasses.dataclass
@@ -1970,6 +2165,14 @@ def _target_connection(target: Connection | orm.Session) -> Connection:
 # ---- claim ------------------------------------------------------------------------------------
 
 
+def _in_flight_counts(conn: Connection, now: _dt.datetime) -> dict[str, int]:
+    """Slots in use per group: leased/running jobs plus slots held by abandoned handlers."""
+    counts: dict[str, int] = {}
+    for g, n in conn.execute(_Q_SLOTS_IN_USE, {"b_now": now}):
+        counts[g] = counts.get(g, 0) + n
+    return counts
+
+
 def _rate_room(
     conn: Connection, now: _dt.datetime, limits: Mapping[str, tuple[int, float]], groups: Sequence[str]
 ) -> dict[str, int]:
@@ -2034,7 +2237,7 @@ def _lease_rows(
         # The cap's serialisation point. SKIP LOCKED alone lets two claimers skip each other's
         # rows and both spend the last free slot; this row lock (or SQLite's write lock) makes
         # counting and leasing one atomic step.
-        lock = conn.execute(_prebuilt(d, "lock_claim", lambda: d.lock_wait(_Q_LOCK_CLAIM))).first()
+        lock = conn.execute(_q_lock_claim(d)).first()
         if lock is None:
             raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
         if fresh_now and rate_limits:
@@ -2046,7 +2249,7 @@ def _lease_rows(
     if free <= 0:
         return []
     type_list = list(types) if types is not None else None
-    groups = list(conn.execute(_Q_READY_GROUPS).scalars())
+    groups = list(conn.execute(_q_ready_groups(d)).scalars())
     if not groups:
         return []
     if len(groups) == 1 and not rate_limits:
@@ -2067,12 +2270,16 @@ def _lease_rows(
     last_start = {g: t for g, t in conn.execute(_q_last_starts(sorted(ready)))} if len(ready) > 1 else {}
     rows: list[Any] = []
     exhausted: set[str] = set()
+    took: dict[str, int] = {}  # rows taken per group by earlier rounds
     candidates = _q_candidates(d, type_list is not None)
     params: dict[str, Any] = {"b_now": now} if type_list is None else {"b_now": now, "b_types": type_list}
     for _ in range(3):  # re-rank when SKIP LOCKED left a group short
         counts = allocate(
             free - len(rows),
-            {g: n for g, (n, _w) in ready.items() if g not in exhausted},
+            # What each group can still give: its runnable rows (already clamped to its rate
+            # room) less what earlier rounds took. Offering the full count again granted a
+            # rate-limited group its room a second time when another group came up short.
+            {g: n - took.get(g, 0) for g, (n, _w) in ready.items() if g not in exhausted and n > took.get(g, 0)},
             weights={g: w for g, (_n, w) in ready.items()},
             in_flight=in_flight,
             caps=group_caps,
@@ -2083,10 +2290,11 @@ def _lease_rows(
         short = False
         taken = {r.id for r in rows}
         for g in sorted(counts):
-            mine = sum(1 for r in rows if r.group_key == g)
+            mine = took.get(g, 0)
             got = [r for r in conn.execute(candidates, {**params, "b_group": g, "b_limit": counts[g] + mine})
                    if r.id not in taken][: counts[g]]
             rows.extend(got)
+            took[g] = mine + len(got)
             in_flight[g] = in_flight.get(g, 0) + len(got)
             if len(got) < counts[g]:
                 exhausted.add(g)
@@ -2218,18 +2426,6 @@ def heartbeat(engine: Engine, lease: Lease, ttl: float, *, now: _dt.datetime | N
 # ---- finalize / fail / release ----------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Outcome:
-    job_id: int
-    owner: str | None
-    token: str | None
-    kind: str  # "done" | "retry" | "failed" | "release"
-    result: Any = None
-    error: str | None = None
-    delay: float = 0.0  # seconds before a retry may run
-    parent_id: int | None = -1  # the job's container if the caller knows it (-1: look it up)
-
-
 def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome], now: _dt.datetime) -> list[str | None]:
     """Write each outcome fenced by its own lease. Returns, per outcome, the state written, or
     None where the dispatch no longer held the lease (nothing written for it)."""
@@ -2252,9 +2448,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
             landed = set(ids)
         else:  # rows these statements finished carry exactly this `now`; the others go one by one
             for chunk in _chunks(ids):
-                landed.update(conn.execute(sa.select(_c.id).where(
-                    _c.id.in_(chunk), _state_is("done"), _c.finished_at == now,
-                    _c.lease_token.in_({o.token for o in fast}))).scalars())
+                landed.update(conn.execute(_q_landed(chunk, now, {o.token for o in fast})).scalars())
     for o in outcomes:
         if o.job_id in landed and o.kind == "done":
             written.append("done")
@@ -2278,9 +2472,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
             state = "cancelled"
         if not n and o.kind == "done" and o.token is not None:
             # A retried finalize whose first COMMIT landed: the row is done under our token.
-            again = conn.execute(
-                sa.select(_c.id).where(_c.id == o.job_id, _state_is("done"), _c.lease_token == o.token)
-            ).first()
+            again = conn.execute(_q_done_under(o.job_id, o.token)).first()
             written.append("done" if again is not None else None)
             continue
         written.append(state if n else None)
@@ -2334,9 +2526,7 @@ def fail(
 
     def run(conn: Connection, d: _Dialect) -> str:
         t = now or d.db_now(conn)
-        row = conn.execute(
-            sa.select(_c.attempts, _c.max_attempts).where(_c.id == job_id, _state_is(*_LIVE), _c.lease_owner == worker_id)
-        ).first()
+        row = conn.execute(_q_attempts(job_id, worker_id)).first()
         kind = "retry" if row is not None and retry and row.attempts < row.max_attempts else "failed"
         out = _Outcome(job_id, worker_id, token, kind, error=str(error)[:_ERROR_LIMIT], delay=delay)
         state = _apply_outcomes(conn, d, [out], t)[0]
@@ -2503,8 +2693,8 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
     # housekeeping: done every few seconds, not on every tick.
     if time.monotonic() - _HOUSEKEEPING.get(conn.engine, -math.inf) > _HOUSEKEEPING_SECONDS:
         _HOUSEKEEPING[conn.engine] = time.monotonic()
-        conn.execute(sa.delete(_slots).where(_slots.c.expires <= now))
-        conn.execute(sa.delete(_starts).where(_starts.c.started_at < now - START_LOG_RETENTION))
+        conn.execute(_Q_SWEEP_SLOTS, {"b_now": now})
+        conn.execute(_Q_SWEEP_STARTS, {"b_before": now - START_LOG_RETENTION})
     rows = conn.execute(d.lock_skip(_q_expired(now, limit))).all()
     if not rows:
         return []
@@ -2513,11 +2703,7 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
     dead = [r.id for r in rows if r.attempts >= r.max_attempts and not r.cancel_requested]
     out: list[tuple[int, str]] = []
     if cancel:
-        conn.execute(
-            sa.update(_jobs).where(_c.id.in_(cancel), _state_is(*_LIVE), _c.lease_expires < now)
-            .values(state="cancelled", error="cancelled; its worker stopped heartbeating", finished_at=now,
-                    updated_at=now, **_CLEAR_LEASE)
-        )
+        conn.execute(_q_reclaim_cancelled(cancel, now))
         out += [(i, "cancelled") for i in cancel]
         _settle(conn, d, now, [(i, "cancelled") for i in cancel])
     if retry:
@@ -2714,23 +2900,10 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
 
         def one(conn: Connection, d: _Dialect) -> int:
             cutoff = (now or d.db_now(conn)) - older_than
-            dependent = sa.alias(_jobs, "dependent")
-            parent = sa.alias(_jobs, "parent")
-            child = sa.alias(_jobs, "child")
-            ids = list(conn.execute(
-                sa.select(_c.id).where(
-                    # both literal: the first is ix_jobs_finished's predicate, spelled as the
-                    # index spells it (SQLite matches partial indexes by exact terms)
-                    _state_is(*TERMINAL), _state_is(*states), _c.finished_at < cutoff,
-                    ~sa.exists().where(_deps.c.depends_on_id == _c.id, dependent.c.id == _deps.c.job_id,
-                                       dependent.c.state.not_in(TERMINAL)),
-                    ~sa.exists().where(parent.c.id == _c.parent_id, parent.c.state.not_in(TERMINAL)),
-                    ~sa.exists().where(child.c.parent_id == _c.id),
-                ).order_by(_c.finished_at).limit(batch)
-            ).scalars())
+            ids = list(conn.execute(_q_prunable(states, cutoff, batch)).scalars())
             if ids:
-                conn.execute(sa.delete(_deps).where(sa.or_(_deps.c.job_id.in_(ids), _deps.c.depends_on_id.in_(ids))))
-                conn.execute(sa.delete(_jobs).where(_c.id.in_(ids)))
+                conn.execute(_q_delete_edges(ids))
+                conn.execute(_q_delete_jobs(ids))
             return len(ids)
 
         n = _transaction(engine, one)
