@@ -2437,6 +2437,9 @@ def heartbeat(engine: Engine, lease: Lease, ttl: float, *, now: _dt.datetime | N
 # ---- finalize / fail / release ----------------------------------------------------------------
 
 
+_ERROR_LIMIT = 8000  # longest error text stored (characters)
+
+
 def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome], now: _dt.datetime) -> list[str | None]:
     """Write each outcome fenced by its own lease. Returns, per outcome, the state written, or
     None where the dispatch no longer held the lease (nothing written for it)."""
@@ -2562,8 +2565,6 @@ def release(engine: Engine, job_id: int, *, worker_id: str, token: str | None = 
 
     _transaction(engine, run)
 
-
-_ERROR_LIMIT = 8000
 
 
 # ---- settle: the event-driven DAG bookkeeping --------------------------------------------------
