@@ -56,13 +56,32 @@ def test_retry_reopens_dependents_that_submit_closed_because_the_upstream_had_fa
     ids = jobq.submit(engine, [{"key": "a", "type": "t", "depends_on": [up]},
                                {"key": "b", "type": "t", "depends_on": ["a"]}])
     assert [state(engine, ids[k]) for k in "ab"] == ["failed", "failed"]
-    assert (closed_by(engine, ids["a"]), closed_by(engine, ids["b"])) == (up, ids["a"])
-    assert jobq.get(engine, ids["a"]).error == f"upstream job {up} failed"  # type: ignore[union-attr]
     with engine.begin() as conn:  # the cause is fixed: the job will succeed now
         conn.execute(sa.update(jobs).where(jobs.c.id == up).values(type="t"))
     assert set(jobq.retry(engine, up)) == {up, ids["a"], ids["b"]}
     run(engine)
     assert {state(engine, i) for i in (up, *ids.values())} == {"done"}
+
+
+def test_closed_by_names_the_job_that_closed_each_one(engine: sa.Engine) -> None:
+    """closed_by for every way a job is closed by another: a failed upstream (at finalize, and at
+    birth, through an existing or a new upstream), a container closed by its upstream, a
+    cancelled container's subtree; none for a job cancelled or failed in its own right."""
+    up = jobq.enqueue(engine, "bad", max_attempts=1)
+    dn = jobq.enqueue(engine, "t", depends_on=[up])
+    box = jobq.enqueue(engine, "box", container=True, depends_on=[up])
+    kid = jobq.enqueue(engine, "t", parent=box)
+    fail_now(engine, "bad")
+    born = jobq.submit(engine, [{"key": "a", "type": "t", "depends_on": [up]}, {"key": "b", "type": "t", "depends_on": ["a"]}])
+    top = jobq.enqueue(engine, "box", container=True)
+    inner = jobq.enqueue(engine, "box", container=True, parent=top)
+    deep = jobq.enqueue(engine, "t", parent=inner)
+    jobq.cancel(engine, top)
+    got = {j: closed_by(engine, j) for j in (up, dn, box, kid, born["a"], born["b"], top, inner, deep)}
+    assert got == {up: None, dn: up, box: up, kid: box, born["a"]: up, born["b"]: born["a"], top: None,
+                   inner: top, deep: inner}
+    assert jobq.get(engine, kid).error == f"container {box} failed"  # type: ignore[union-attr]
+    assert jobq.get(engine, born["b"]).error == f"upstream job {born['a']} failed"  # type: ignore[union-attr]
 
 
 # ---- item 7 and 8: graph walks of any depth --------------------------------------------------
@@ -127,9 +146,8 @@ def test_a_dependent_reopens_once_its_last_closed_upstream_is_retried(engine: sa
     a = jobq.enqueue(engine, "t")
     b = jobq.enqueue(engine, "t")
     dd = jobq.enqueue(engine, "t", depends_on=[a, b])
-    jobq.cancel(engine, b)
+    jobq.cancel(engine, b)  # D is closed by B, and names it
     jobq.cancel(engine, a)
-    assert closed_by(engine, dd) == b
     assert jobq.retry(engine, b) == [b]  # A is still cancelled: D stays closed
     assert state(engine, dd) == "cancelled"
     assert jobq.retry(engine, a) == [a, dd]
@@ -146,7 +164,6 @@ def test_retry_of_a_child_closed_with_its_container_says_which_upstream_to_retry
     kid = jobq.enqueue(engine, "t", parent=box)
     fail_now(engine, "bad")
     assert [state(engine, j) for j in (box, kid)] == ["failed", "failed"]
-    assert (closed_by(engine, box), closed_by(engine, kid)) == (up, box)
     before = snapshot(engine)
     with pytest.raises(jobq.InvalidJob, match=f"inside container {box}, which depends on job {up}, which is failed"):
         jobq.retry(engine, kid)
