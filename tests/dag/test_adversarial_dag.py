@@ -317,9 +317,11 @@ def test_cancel_of_a_container_leaves_a_job_that_finished_meanwhile_done(engine:
 @only("postgresql", "mysql", "mariadb")  # row locks: SQLite serialises writers, so no window exists
 def test_cancel_of_a_container_cancels_a_child_enqueued_meanwhile(engine: sa.Engine) -> None:
     """Item 4b: a child enqueued into a nested container after cancel had listed the subtree
-    committed, was not in cancel's list, and stayed ready (and ran) inside a cancelled
-    container. Now cancel locks each container before reading its children: a child that
-    committed first is seen and cancelled, a later one waits and is refused."""
+    must not stay ready inside the cancelled container. cancel locks each container before it
+    reads its children: a child that committed first is seen and cancelled, a later one waits
+    and is refused. (This particular interleaving was also caught by the old code, whose
+    settle closed the unstarted children of each container it closed; the test guards the
+    rule, test_..._finished_meanwhile_done is the one the old code fails.)"""
     root = jobq.enqueue(engine, "box", container=True)
     held = jobq.enqueue(engine, "t", parent=root)
     inner = jobq.enqueue(engine, "box", container=True, parent=root)
