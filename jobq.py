@@ -639,6 +639,200 @@ def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElemen
     return col.in_(list(ids))
 
 
+# ---- builders for enqueue, submit, settle, cancel and retry -----------------------------------
+# The DAG's reads and writes. Rows a transaction is about to rewrite are locked first, in id
+# order, so that its decisions rest on states nobody can change under it (cancel, retry, a
+# container taking children); upstream states are share-locked so a concurrent finalize waits.
+
+_BAD = ("failed", "cancelled")
+_OPEN = ("waiting", "ready", "leased", "running")
+_Q_INSERT_JOB = sa.insert(_jobs)
+_Q_INSERT_JOBS = sa.insert(_jobs).returning(_c.id, sort_by_parameter_order=True)
+_Q_INSERT_DEPS = sa.insert(_deps)
+# A job born closed learns its cause's id only once every row of the submit has one.
+_Q_NAME_CAUSE = (
+    sa.update(_jobs).where(_c.id == sa.bindparam("b_id"))
+    .values(closed_by=sa.bindparam("b_by"), error=sa.bindparam("b_error"))
+)
+
+
+def _q_lock_jobs(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
+    """Rows about to be rewritten (a container taking children, a subtree being cancelled, a job
+    being re-opened), locked in id order."""
+    return d.lock_wait(
+        sa.select(_c.id, _c.state, _c.parent_id, _c.is_container, _c.pending_deps).where(_c.id.in_(ids)).order_by(_c.id)
+    )
+
+
+def _q_lock_open_children(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
+    """The unfinished children of these containers, locked in id order (cancel's walk). Read
+    after their containers were locked: a child enqueued later waits for the container's lock."""
+    return d.lock_wait(
+        sa.select(_c.id, _c.state, _c.parent_id, _c.is_container, _c.pending_deps)
+        .where(_c.parent_id.in_(ids), _state_is(*_OPEN)).order_by(_c.id)
+    )
+
+
+def _q_upstream_states(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
+    """States of existing jobs that new jobs will depend on, share-locked: a concurrent finalize
+    of one waits for our commit and then sees our edge, or we wait for it and see it done."""
+    return d.lock_share(sa.select(_c.id, _c.state).where(_c.id.in_(ids)).order_by(_c.id))
+
+
+def _q_upstreams_of(d: _Dialect, job_id: int) -> sa.Select[Any]:
+    """One job's upstreams and their states, share-locked (retry)."""
+    ups = sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id).scalar_subquery()
+    return d.lock_share(sa.select(_c.id, _c.state).where(_c.id.in_(ups)).order_by(_c.id))
+
+
+def _q_parent_of(job_id: int) -> sa.Select[Any]:
+    return sa.select(_c.parent_id).where(_c.id == job_id)
+
+
+def _q_children_of(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id).where(_c.parent_id.in_(ids))
+
+
+def _q_wait_nodes(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id, _c.state, _c.parent_id, _c.is_container).where(_c.id.in_(ids))
+
+
+def _q_open_upstreams(ids: Sequence[int]) -> sa.Select[Any]:
+    """(job, upstream) for the unfinished upstreams of these jobs: what they still wait for."""
+    return (
+        sa.select(_deps.c.job_id, _deps.c.depends_on_id)
+        .join(_jobs, _c.id == _deps.c.depends_on_id)
+        .where(_deps.c.job_id.in_(ids), _state_is(*_OPEN))
+    )
+
+
+def _q_open_children(ids: Sequence[int]) -> sa.Select[Any]:
+    """(container, child) for the unfinished children of these containers."""
+    return sa.select(_c.parent_id, _c.id).where(_c.parent_id.in_(ids), _state_is(*_OPEN))
+
+
+def _q_add_children(parent_id: int, n: int) -> sa.Update:
+    return (
+        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting"))
+        .values(pending_children=_c.pending_children + n)
+    )
+
+
+def _q_parents(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id, _c.parent_id).where(_c.id.in_(ids), _c.parent_id.is_not(None))
+
+
+def _q_count_finished_children(parent_id: int, n: int, bad: int) -> sa.Update:
+    return (
+        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting"))
+        .values(pending_children=_c.pending_children - n, failed_children=_c.failed_children + bad)
+    )
+
+
+def _q_child_counts(parent_id: int) -> sa.Select[Any]:
+    return sa.select(_c.state, _c.pending_children, _c.failed_children).where(_c.id == parent_id)
+
+
+def _q_roll_up(parent_id: int, state: str, error: str | None, now: _dt.datetime) -> sa.Update:
+    return (
+        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting"))
+        .values(state=state, finished_at=now, updated_at=now, error=error)
+    )
+
+
+def _q_dependent_counts(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
+    """(dependent, how many of ``ids`` it depends on)."""
+    return sa.select(_deps.c.job_id, sa.func.count()).where(_id_in(d, _deps.c.depends_on_id, ids)).group_by(_deps.c.job_id)
+
+
+def _q_first_upstream(ids: Sequence[int]) -> sa.Select[Any]:
+    """(dependent, the lowest of ``ids`` it depends on): the cause a closed dependent names."""
+    return (
+        sa.select(_deps.c.job_id, sa.func.min(_deps.c.depends_on_id))
+        .where(_deps.c.depends_on_id.in_(ids)).group_by(_deps.c.job_id)
+    )
+
+
+def _q_unstarted_children(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id, _c.parent_id).where(_c.parent_id.in_(ids), _state_is("waiting", "ready"))
+
+
+def _q_count_off(ids: Sequence[int], k: int) -> sa.Update:
+    return sa.update(_jobs).where(_c.id.in_(ids), _state_is("waiting")).values(pending_deps=_c.pending_deps - k)
+
+
+def _q_unblocked(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id, _c.is_container).where(_c.id.in_(ids), _state_is("waiting"), _c.pending_deps == 0)
+
+
+def _q_make_ready(ids: Sequence[int], now: _dt.datetime) -> sa.Update:
+    return sa.update(_jobs).where(_c.id.in_(ids), _state_is("waiting")).values(state="ready", updated_at=now)
+
+
+def _q_waiting_children(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id).where(_c.parent_id.in_(ids), _state_is("waiting"))
+
+
+def _q_close(job_id: int, state: str, error: str, closed_by: int, now: _dt.datetime) -> sa.Update:
+    """Close a job that has not started because ``closed_by`` (an upstream or its container)
+    ended badly; retry follows closed_by back."""
+    return (
+        sa.update(_jobs).where(_c.id == job_id, _state_is("waiting", "ready"))
+        .values(state=state, error=error, closed_by=closed_by, finished_at=now, updated_at=now)
+    )
+
+
+def _q_cancel_unstarted(ids: Sequence[int], error: str, now: _dt.datetime, *, root: bool) -> sa.Update:
+    """Cancel waiting/ready jobs: the root by request (closed by nobody), the rest of a subtree by
+    their container."""
+    return (
+        sa.update(_jobs).where(_c.id.in_(ids), _state_is("waiting", "ready"))
+        .values(state="cancelled", error=error, closed_by=None if root else _c.parent_id, finished_at=now, updated_at=now)
+    )
+
+
+def _q_request_cancel(ids: Sequence[int]) -> sa.Update:
+    return sa.update(_jobs).where(_c.id.in_(ids), _state_is(*_LIVE)).values(cancel_requested=True)
+
+
+def _q_reopen(job_id: int, state: str, pending: int, now: _dt.datetime, **counters: int) -> sa.Update:
+    return sa.update(_jobs).where(_c.id == job_id).values(
+        state=state, attempts=0, error=None, finished_at=None, run_after=now, updated_at=now, pending_deps=pending,
+        cancel_requested=False, lease_token=None, closed_by=None, **counters,
+    )
+
+
+def _q_uncount_failed_child(parent_id: int) -> sa.Update:
+    """A re-opened child is pending again in its (waiting) container."""
+    return (
+        sa.update(_jobs).where(_c.id == parent_id)
+        .values(pending_children=_c.pending_children + 1, failed_children=_c.failed_children - 1)
+    )
+
+
+def _q_withdraw_cancel(parent_id: int) -> sa.Update:
+    """Children still running when their container was cancelled: a retried container wants
+    their results after all."""
+    return (
+        sa.update(_jobs).where(_c.parent_id == parent_id, _state_is(*_LIVE), _c.cancel_requested == _TRUE)
+        .values(cancel_requested=False)
+    )
+
+
+def _q_child_states(parent_id: int) -> sa.Select[Any]:
+    return sa.select(_c.id, _c.state).where(_c.parent_id == parent_id).order_by(_c.id)
+
+
+def _q_closed_dependents(job_id: int) -> sa.Select[Any]:
+    """Dependents of ``job_id`` that were closed by propagation (closed_by set), whichever
+    upstream or container closed them: each re-opens once none of its upstreams is closed."""
+    return (
+        sa.select(_c.id).join(_deps, _deps.c.job_id == _c.id)
+        .where(_deps.c.depends_on_id == job_id, _state_is(*_BAD), _c.closed_by.is_not(None))
+        .order_by(_c.id)
+    )
+
+
 def _q_lease(d: _Dialect) -> sa.Update:
     # By primary key only: the claim holds these rows locked (or SQLite's write lock) since it
     # read them as ready, and checks the row count. A `state = 'ready'` here let PostgreSQL, on
@@ -1485,6 +1679,71 @@ def backoff(attempt: int, *, base: float = 1.0, cap: float = 300.0, jitter: floa
     return max(0.0, delay * (1 + random.uniform(-jitter, jitter)))
 
 
+# ---- DAG checks on a graph in memory (enqueue and submit run them before writing) -------------
+
+
+def _topological(keys: Sequence[_K], after: Mapping[_K, Sequence[_K]]) -> tuple[list[_K], list[_K]]:
+    """Order ``keys`` so that each comes after everything in ``after[key]`` (its upstreams and
+    its container, among the keys). Returns (order, []) or, if some keys lie on a cycle,
+    ([], one such cycle, its first key repeated at the end)."""
+    edges: dict[_K, list[_K]] = {k: [] for k in keys}
+    indeg = dict.fromkeys(keys, 0)
+    for k in keys:
+        for u in after.get(k, ()):
+            edges[u].append(k)
+            indeg[k] += 1
+    todo = deque(k for k in keys if indeg[k] == 0)
+    order: list[_K] = []
+    while todo:
+        k = todo.popleft()
+        order.append(k)
+        for v in edges[k]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                todo.append(v)
+    if len(order) == len(keys):
+        return order, []
+    # Name one cycle: from a key left over, follow left-over predecessors until one repeats.
+    left = {k for k in keys if indeg[k] > 0}
+    node = next(k for k in keys if k in left)
+    seen: dict[_K, int] = {}
+    path: list[_K] = []
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = next(u for u in after[node] if u in left)
+    cycle = path[seen[node]:] + [node]
+    return [], cycle[::-1]
+
+
+def _check_waits_for(waits: Mapping[Any, Sequence[Any]], starts: Iterable[Any]) -> list[Any]:
+    """A cycle in a wait-for graph ("X cannot finish before Y"), searched from ``starts`` by an
+    iterative depth-first walk; [] if there is none. A node missing from ``waits`` waits for
+    nothing. Dependency cycles are not the only deadlocks: a container waits for its children and
+    they wait for its upstreams, so a child that (through any chain) depends on work that waits
+    for its own container can never run."""
+    colour: dict[Any, int] = {}  # 1: on the current path, 2: explored, no cycle through it
+    end = object()
+    for start in starts:
+        if colour.get(start):
+            continue
+        colour[start] = 1
+        path = [start]
+        stack = [iter(waits.get(start, ()))]
+        while stack:
+            nxt = next(stack[-1], end)
+            if nxt is end:
+                colour[path.pop()] = 2
+                stack.pop()
+            elif colour.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not colour.get(nxt):
+                colour[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(waits.get(nxt, ())))
+    return []
+
+
 # =============================================================================================
 # Input validation and JSON
 # =============================================================================================
@@ -1675,56 +1934,95 @@ def create_schema(engine: Engine) -> None:
             _upgrade(conn, d, int(have["schema_version"]))
 
 
-@dataclasses.dataclass
+# ---- enqueue and submit: one insert path -------------------------------------------------------
+# enqueue is a one-item submit. Both validate every field, then, in the transaction, read and
+# check everything (upstreams, containers, deadlocks through existing work) before the first
+# write, so a refused call writes nothing, even inside the caller's own transaction.
+
+
+def _check_args(value: Any, keys: bool) -> dict[str, Any]:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise InvalidJob(f"args must be a JSON object (a dict), got {_type_name(value)}")
+    return _encode_checked(value, "args")  # type: ignore[no-any-return]
+
+
+def _check_depends_on(value: Any, keys: bool) -> tuple[int | str, ...]:
+    if isinstance(value, (int, str, bytes)) or value is None:
+        raise InvalidJob(f"depends_on must be an iterable of job ids, got {value!r}")
+    refs = (x if keys and isinstance(x, str) else _as_id(x, "depends_on item") for x in value)
+    return tuple(dict.fromkeys(refs))  # duplicates collapse
+
+
+def _check_parent(value: Any, keys: bool) -> int | str | None:
+    if value is None or (keys and isinstance(value, str)):
+        return value  # type: ignore[no-any-return]
+    return _as_id(value, "parent")
+
+
+def _check_run_after(value: Any, keys: bool) -> _dt.datetime | _dt.timedelta | None:
+    if value is None or isinstance(value, _dt.timedelta):
+        return value  # type: ignore[no-any-return]
+    return _to_db_time(value, "run_after")
+
+
+def _run_after_row(value: _dt.datetime | _dt.timedelta | None, now: _dt.datetime) -> _dt.datetime:
+    if isinstance(value, _dt.timedelta):
+        return now + value
+    return now if value is None else value
+
+
+def _field(default: Any, check: Callable[[Any, bool], Any], column: str | None = None,
+           to_row: Callable[[Any, _dt.datetime], Any] = lambda v, now: v) -> Any:
+    """One job field: enqueue's keyword default, its check (``keys``: a submit item may name
+    other items by key), the jobs column it fills and how."""
+    return dataclasses.field(default=default, metadata={"check": check, "column": column, "to_row": to_row})
+
+
+@dataclasses.dataclass(frozen=True)
 class _JobSpec:
-    type: str
-    args: Any
-    group_key: str
-    weight: int
-    depends_on: tuple[int, ...]
-    parent: int | None
-    container: bool
-    run_after: _dt.datetime | _dt.timedelta | None
-    max_attempts: int
-    timeout: float | None
+    """A validated job. Its fields ARE the list of job fields, spelled once: enqueue's keywords
+    (its signature must match; tests/core/test_insert_path.py checks), the keys of a submit item,
+    their defaults and checks, and the jobs columns they fill (_job_row)."""
+
+    type: str = _field(None, lambda v, keys: _check_name(v, "type"), "type")  # required: None is refused
+    args: dict[str, Any] = _field(None, _check_args, "args")
+    group_key: str = _field("default", lambda v, keys: _check_name(v, "group_key"), "group_key")
+    weight: int = _field(1, lambda v, keys: _check_int(v, "weight", 1, 1_000_000), "weight")
+    depends_on: tuple[int | str, ...] = _field((), _check_depends_on)  # job_deps rows, not a column
+    parent: int | str | None = _field(None, _check_parent, "parent_id",
+                                      lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
+    container: bool = _field(False, lambda v, keys: bool(v), "is_container")
+    run_after: _dt.datetime | _dt.timedelta | None = _field(None, _check_run_after, "run_after", _run_after_row)
+    max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
+    timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
 
 
-def _make_spec(
-    type: Any,
-    args: Any,
-    *,
-    group_key: Any,
-    weight: Any,
-    depends_on: Any,
-    parent: Any,
-    container: Any,
-    run_after: Any,
-    max_attempts: Any,
-    timeout: Any,
-) -> _JobSpec:
-    type_ = _check_name(type, "type")
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise InvalidJob(f"args must be a JSON object (a dict), got {_type_name(args)}")
-    args = _encode_checked(args, "args")
-    if isinstance(depends_on, (int, str, bytes)) or depends_on is None:
-        raise InvalidJob(f"depends_on must be an iterable of job ids, got {depends_on!r}")
-    deps = tuple(dict.fromkeys(_as_id(x, "depends_on item") for x in depends_on))  # duplicates collapse
-    if run_after is not None and not isinstance(run_after, _dt.timedelta):
-        _to_db_time(run_after, "run_after")
-    return _JobSpec(
-        type=type_,
-        args=args,
-        group_key=_check_name(group_key, "group_key"),
-        weight=_check_int(weight, "weight", 1, 1_000_000),
-        depends_on=deps,
-        parent=None if parent is None else _as_id(parent, "parent"),
-        container=bool(container),
-        run_after=run_after,
-        max_attempts=_check_int(max_attempts, "max_attempts", 1, 1000),
-        timeout=_check_seconds(timeout, "timeout"),
+_JOB_FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(_JobSpec)
+# The job fields, in enqueue's order: the registry for whatever lists them (submit, the CLI).
+_JOB_FIELD_NAMES = tuple(f.name for f in _JOB_FIELDS)
+
+
+def _make_spec(fields: Mapping[str, Any], *, keys: bool = False) -> _JobSpec:
+    """Check and normalise one job's fields (missing ones take enqueue's defaults)."""
+    unknown = set(fields) - set(_JOB_FIELD_NAMES)
+    if unknown:
+        raise InvalidJob(f"unknown fields {sorted(unknown)}")
+    return _JobSpec(**{f.name: f.metadata["check"](fields.get(f.name, f.default), keys) for f in _JOB_FIELDS})
+
+
+def _job_row(spec: _JobSpec, now: _dt.datetime, *, state: str, pending_deps: int, pending_children: int) -> dict[str, Any]:
+    """The jobs row of a new job: its fields' columns, and the bookkeeping every new row starts
+    with (the one place both enqueue and submit build a row)."""
+    row = {f.metadata["column"]: f.metadata["to_row"](getattr(spec, f.name), now) for f in _JOB_FIELDS if f.metadata["column"]}
+    closed = state in _BAD
+    row.update(
+        state=state, created_at=now, updated_at=now, finished_at=now if closed else None, error=None, closed_by=None,
+        attempts=0, in_flight=False, cancel_requested=False, pending_deps=pending_deps,
+        pending_children=pending_children, failed_children=0,
     )
+    return row
 
 
 def _type_name(value: Any) -> str:
@@ -1756,7 +2054,8 @@ def enqueue(
         weight: the group's weight (int >= 1); a group weighs the largest weight among its next runnable jobs (as many as there are free slots).
         depends_on: ids of jobs that must be done first; duplicates are ignored. A dependency that
             already failed or was cancelled makes this job fail (or be cancelled) at once.
-        parent: id of a container this job belongs to; the container must still be waiting.
+        parent: id of a container this job belongs to; the container must still be waiting (a
+            finished or cancelled container is refused).
         container: make a container: it never runs, and is done when all its children are done
             (failed when any child failed, once all are finished).
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
@@ -1767,104 +2066,13 @@ def enqueue(
         The new job's id.
 
     Raises:
-        InvalidJob: bad input, an unknown dependency or parent, or a parent that is not an open
-            container. Nothing is written.
+        InvalidJob: bad input, an unknown dependency or parent, a parent that is not an open
+            container, or a dependency that waits for the container this job would be inside.
+            Nothing is written, also not in the caller's transaction.
     """
-    spec = _make_spec(
-        type, args, group_key=group_key, weight=weight, depends_on=depends_on, parent=parent,
-        container=container, run_after=run_after, max_attempts=max_attempts, timeout=timeout,
-    )
-    if isinstance(target, Engine):
-        # No retry on disconnect: a COMMIT lost in flight may have succeeded, and a second
-        # insert would duplicate the job. Deadlocks and SQLITE_BUSY rolled back for sure.
-        return _transaction(target, lambda conn, d: _insert_job(conn, d, spec, d.db_now(conn)), immediate=True)
-    engine = _engine_of(target)
-    d = _prepare(engine)
-    conn = target.connection() if isinstance(target, orm.Session) else target
-    return _insert_job(conn, d, spec, d.db_now(conn))
-
-
-def _insert_job(conn: Connection, d: _Dialect, spec: _JobSpec, now: _dt.datetime) -> int:
-    gate = 0
-    if spec.parent is not None:
-        # Count the child in first: the UPDATE locks the container, so it cannot roll up
-        # between this check and our commit.
-        n = conn.execute(
-            sa.update(_jobs)
-            .where(_c.id == spec.parent, _c.is_container == _TRUE, _state_is("waiting"))
-            .values(pending_children=_c.pending_children + 1)
-        ).rowcount
-        if n != 1:
-            row = conn.execute(sa.select(_c.is_container, _c.state).where(_c.id == spec.parent)).first()
-            if row is None:
-                raise InvalidJob(f"parent: no job with id {spec.parent}")
-            if not row.is_container:
-                raise InvalidJob(f"parent {spec.parent} is not a container (enqueue it with container=True)")
-            raise InvalidJob(f"parent {spec.parent} has already rolled up ({row.state}); it takes no more children")
-        gated = conn.execute(sa.select(_c.pending_deps).where(_c.id == spec.parent)).scalar_one()
-        gate = 1 if gated else 0
-        blocker = _waits_on_any(conn, spec.depends_on, set(_ancestors(conn, spec.parent)))
-        if blocker is not None:
-            raise InvalidJob(f"depends_on: job {blocker[0]} waits (through {blocker[1]}) for container {blocker[2]}, "
-                             "which this job would be inside: they would wait for each other forever")
-    pending, cause = 0, None
-    if spec.depends_on:
-        # Shared locks: a concurrent finalize of an upstream waits for our commit, then sees our
-        # edge; or we wait for it, then see the upstream done. Either way the count is right.
-        rows = {
-            r.id: r.state
-            for r in conn.execute(d.lock_share(sa.select(_c.id, _c.state).where(_c.id.in_(spec.depends_on))))
-        }
-        missing = [i for i in spec.depends_on if i not in rows]
-        if missing:
-            raise InvalidJob(f"depends_on: no job with id {', '.join(map(str, missing))}")
-        pending = sum(1 for s in rows.values() if s != "done")
-        bad = sorted(i for i, s in rows.items() if s in ("failed", "cancelled"))
-        if bad:
-            cause = (rows[bad[0]], f"upstream job {bad[0]} {rows[bad[0]]}")
-    if isinstance(spec.run_after, _dt.timedelta):
-        run_after = now + spec.run_after
-    elif spec.run_after is not None:
-        run_after = _to_db_time(spec.run_after, "run_after")
-    else:
-        run_after = now
-    if cause:
-        state = "failed" if cause[0] == "failed" else "cancelled"
-    elif spec.container or pending + gate > 0:
-        state = "waiting"
-    else:
-        state = "ready"
-    job_id = conn.execute(  # type: ignore[index]
-        sa.insert(_jobs).values(
-            type=spec.type,
-            args=spec.args,
-            state=state,
-            is_container=spec.container,
-            parent_id=spec.parent,
-            group_key=spec.group_key,
-            weight=spec.weight,
-            run_after=run_after,
-            created_at=now,
-            updated_at=now,
-            finished_at=now if cause else None,
-            error=cause[1] if cause else None,
-            attempts=0,
-            max_attempts=spec.max_attempts,
-            timeout=spec.timeout,
-            in_flight=False,
-            cancel_requested=False,
-            pending_deps=pending + gate,
-            pending_children=0,
-            failed_children=0,
-        )
-    ).inserted_primary_key[0]
-    if spec.depends_on:
-        conn.execute(sa.insert(_deps), [{"job_id": job_id, "depends_on_id": u} for u in spec.depends_on])
-    if cause:
-        _settle(conn, d, now, [(job_id, state)])
-    if state == "ready":
-        d.notify(conn)
-    return int(job_id)
+    fields = dict(locals())  # exactly the parameters: the job fields and the target
+    del fields["target"]
+    return _submit(target, _plan([fields], single=True))[_ONE]
 
 
 def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -1882,267 +2090,294 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
     Raises:
         InvalidJob: a bad item (named by its key), a duplicate key, a reference to an unknown
             key or job id, a cycle among the submitted edges (the cycle is named), a child of a
-            non-container, or a new container without children. Nothing is written.
+            non-container or of a finished container, a new container without children, or a
+            deadlock through containers, also through existing jobs (a child that depends on
+            work that waits for its own container). Nothing is written.
     """
+    return _submit(target, _plan(jobs, single=False))
+
+
+_ONE = "job"  # the key of enqueue's one item
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A checked batch of new jobs: specs by key, their references to each other, keys in an
+    order where upstreams and containers come first."""
+
+    specs: dict[str, _JobSpec]
+    deps: dict[str, list[str]]  # local upstream keys
+    parent: dict[str, str]  # local container key
+    order: list[str]
+    single: bool  # an enqueue: messages name "the new job" and carry no "submit:" prefix
+
+    def where(self, key: str) -> str:
+        return "" if self.single else f"submit: job {key!r}: "
+
+    def name(self, node: Any, containers: set[int]) -> str:
+        if isinstance(node, int):
+            return f"container {node}" if node in containers else f"job {node}"
+        return "the new job" if self.single else repr(node)
+
+    def deadlock(self, cycle: Sequence[Any], containers: set[int]) -> InvalidJob:
+        names = [self.name(n, containers) for n in cycle if not isinstance(n, tuple)]  # gates are not jobs
+        return InvalidJob(("depends_on" if self.single else "submit") + ": these jobs would wait for each other "
+                          "forever (a container waits for its children, they for its upstreams): " + " -> ".join(names))
+
+
+def _plan(items: Sequence[Mapping[str, Any]], *, single: bool) -> _Plan:
+    """Everything that can be checked without the database (see submit's Raises)."""
     specs: dict[str, _JobSpec] = {}
-    local_deps: dict[str, list[str]] = {}
-    local_parent: dict[str, str] = {}
-    for i, item in enumerate(jobs):
+    for i, item in enumerate(items):
         if not isinstance(item, Mapping):
             raise InvalidJob(f"submit: item {i} is not a dict")
-        item = dict(item)
-        key = item.pop("key", None)
+        fields = dict(item)
+        key = _ONE if single else fields.pop("key", None)
         if not isinstance(key, str) or not key:
             raise InvalidJob(f"submit: item {i} needs a non-empty string 'key'")
         if key in specs:
             raise InvalidJob(f"submit: duplicate key {key!r}")
-        unknown = set(item) - {"type", "args", "group_key", "weight", "depends_on", "parent", "container",
-                               "run_after", "max_attempts", "timeout"}
-        if unknown:
-            raise InvalidJob(f"submit: job {key!r} has unknown fields {sorted(unknown)}")
-        deps = list(item.pop("depends_on", ()) or ())
-        local_deps[key] = [x for x in deps if isinstance(x, str)]
-        parent = item.pop("parent", None)
-        if isinstance(parent, str):
-            local_parent[key] = parent
-            parent = None
         try:
-            specs[key] = _make_spec(
-                item.pop("type", None), item.pop("args", None), group_key=item.pop("group_key", "default"),
-                weight=item.pop("weight", 1), depends_on=[x for x in deps if not isinstance(x, str)], parent=parent,
-                container=item.pop("container", False), run_after=item.pop("run_after", None),
-                max_attempts=item.pop("max_attempts", 3), timeout=item.pop("timeout", None),
-            )
+            specs[key] = _make_spec(fields, keys=not single)
         except InvalidJob as exc:
+            if single:
+                raise
             raise InvalidJob(f"submit: job {key!r}: {exc}") from None
-    for key, ups in local_deps.items():
+    deps = {k: [u for u in sp.depends_on if isinstance(u, str)] for k, sp in specs.items()}
+    parent = {k: sp.parent for k, sp in specs.items() if isinstance(sp.parent, str)}
+    plan = _Plan(specs, deps, parent, list(specs), single)
+    if single:
+        return plan
+    for key, ups in deps.items():
         for u in ups:
             if u not in specs:
                 raise InvalidJob(f"submit: job {key!r} depends on unknown key {u!r}")
-        if len(set(ups)) != len(ups):
-            local_deps[key] = list(dict.fromkeys(ups))
-    for key, p in local_parent.items():
+    for key, p in parent.items():
         if p not in specs:
             raise InvalidJob(f"submit: job {key!r} has unknown parent key {p!r}")
         if not specs[p].container:
             raise InvalidJob(f"submit: job {key!r} has parent {p!r}, which is not a container")
-    for key in specs:
-        chain: list[str] = []
-        up: str | None = local_parent.get(key)
-        while up is not None and up not in chain:
-            chain.append(up)
-            up = local_parent.get(up)
-        clash = [u for u in local_deps[key] if u in chain]
-        if clash:
-            raise InvalidJob(f"submit: job {key!r} depends on {clash[0]!r}, a container it is inside (a cycle)")
-    childless = [k for k, sp in specs.items() if sp.container and k not in local_parent.values()]
+    parents = set(parent.values())
+    childless = [k for k, sp in specs.items() if sp.container and k not in parents]
     if childless:
         raise InvalidJob(f"submit: container {childless[0]!r} has no children (an empty container would never finish)")
-    order = _topological(specs, local_deps, local_parent)
-    _check_waits_for(specs, local_deps, local_parent)
+    plan.order, cycle = _topological(plan.order, {k: deps[k] + ([parent[k]] if k in parent else []) for k in specs})
+    if cycle:
+        raise InvalidJob("submit: cycle among the submitted jobs: " + " -> ".join(cycle))
+    cycle = _check_waits_for(_wait_graph(plan, {}), plan.order)
+    if cycle:
+        raise plan.deadlock(cycle, set())
+    return plan
+
+
+def _wait_graph(plan: _Plan, existing: Mapping[Any, Sequence[Any]]) -> dict[Any, list[Any]]:
+    """The wait-for graph over the new jobs (their keys), existing jobs (ids) and container
+    gates (("g", key or id): a container's upstreams, and its own container's gate, which
+    every job inside it waits for). ``existing`` holds what existing work waits for."""
+    waits: dict[Any, list[Any]] = {k: list(v) for k, v in existing.items()}
+    for k, sp in plan.specs.items():
+        own = waits.setdefault(k, [])
+        own.extend(sp.depends_on)
+        if sp.parent is not None:
+            own.append(("g", sp.parent))
+            waits.setdefault(sp.parent, []).append(k)  # a container waits for its new child
+        if sp.container:
+            waits[("g", k)] = [*sp.depends_on, *([("g", sp.parent)] if sp.parent is not None else [])]
+    return waits
+
+
+def _submit(target: Engine | Connection | orm.Session, plan: _Plan) -> dict[str, int]:
     if isinstance(target, Engine):
-        return _transaction(target, lambda conn, d: _insert_graph(conn, d, specs, order, local_deps, local_parent, d.db_now(conn)))
+        # No retry on a connection lost during COMMIT (_transaction): it may have landed, and a
+        # second insert would duplicate the jobs. Deadlocks and SQLITE_BUSY rolled back for sure.
+        return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn)))
     d = _prepare(_engine_of(target))
     conn = _target_connection(target)  # type: ignore[arg-type]
-    return _insert_graph(conn, d, specs, order, local_deps, local_parent, d.db_now(conn))
+    return _insert_graph(conn, d, plan, d.db_now(conn))
 
 
-def _topological(specs: Mapping[str, _JobSpec], deps: Mapping[str, list[str]], parent: Mapping[str, str]) -> list[str]:
-    """Keys in an order where upstreams and containers come first; InvalidJob names a cycle."""
-    edges: dict[str, list[str]] = {k: [] for k in specs}
-    indeg = dict.fromkeys(specs, 0)
-    for k, ups in deps.items():
-        for u in ups:
-            edges[u].append(k)
-            indeg[k] += 1
-    for k, p in parent.items():
-        edges[p].append(k)
-        indeg[k] += 1
-    todo = deque(k for k in specs if indeg[k] == 0)
-    order: list[str] = []
-    while todo:
-        k = todo.popleft()
-        order.append(k)
-        for v in edges[k]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                todo.append(v)
-    if len(order) == len(specs):
-        return order
-    # Name one cycle: walk unfinished nodes until one repeats.
-    left = {k for k in specs if indeg[k] > 0}
-    back = {k: [u for u in deps.get(k, []) + ([parent[k]] if k in parent else []) if u in left] for k in left}
-    node, seen = next(iter(sorted(left))), []
-    while node not in seen:
-        seen.append(node)
-        node = back[node][0]
-    cycle = seen[seen.index(node):] + [node]
-    raise InvalidJob("submit: cycle among the submitted jobs: " + " -> ".join(reversed(cycle)))
-
-
-def _check_waits_for(specs: Mapping[str, _JobSpec], deps: Mapping[str, list[str]], parent: Mapping[str, str]) -> None:
-    """Reject deadlocks that are not plain dependency cycles: a container finishes after its
-    children, and its children start after its upstreams, so a child that (through any chain)
-    depends on work that waits for its own container can never run."""
-    waits: dict[str, set[str]] = {k: set(deps.get(k, [])) for k in specs}
-    for k, p in parent.items():
-        waits[p].add(k)  # the container waits for its child
-        a: str | None = p
-        while a is not None:  # the child waits for every enclosing container's upstreams
-            waits[k].update(deps.get(a, []))
-            a = parent.get(a)
-    state: dict[str, int] = {}
-    for start in sorted(specs):
-        if state.get(start):
-            continue
-        stack: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(waits[start])))]
-        path = [start]
-        state[start] = 1
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                state[node] = 2
-                stack.pop()
-                path.pop()
-            elif state.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt]
-                raise InvalidJob("submit: these jobs would wait for each other forever (containers wait for "
-                                 "their children): " + " -> ".join(cycle))
-            elif not state.get(nxt):
-                state[nxt] = 1
-                path.append(nxt)
-                stack.append((nxt, iter(sorted(waits[nxt]))))
-
-
-def _insert_graph(
-    conn: Connection, d: _Dialect, specs: Mapping[str, _JobSpec], order: list[str],
-    deps: Mapping[str, list[str]], parent: Mapping[str, str], now: _dt.datetime,
-) -> dict[str, int]:
-    existing_deps = sorted({u for sp in specs.values() for u in sp.depends_on})
-    existing_state: dict[int, str] = {}
-    for chunk in _chunks(existing_deps):
-        existing_state.update(conn.execute(d.lock_share(sa.select(_c.id, _c.state).where(_c.id.in_(chunk)))).all())
-    missing = [i for i in existing_deps if i not in existing_state]
+def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
+    """Read and check everything, then write: the new rows, their edges, the containers' child
+    counts, and the propagation of jobs born closed (an upstream already failed)."""
+    specs = plan.specs
+    prefix = "" if plan.single else "submit: "
+    ext_deps = sorted({u for sp in specs.values() for u in sp.depends_on if isinstance(u, int)})
+    up_state: dict[int, str] = {}
+    for chunk in _chunks(ext_deps):
+        up_state.update(conn.execute(_q_upstream_states(d, chunk)).all())
+    missing = [i for i in ext_deps if i not in up_state]
     if missing:
-        raise InvalidJob(f"submit: depends_on: no job with id {', '.join(map(str, missing))}")
-    ext_parents: dict[int, int] = {}
-    for k in order:
-        if specs[k].parent is not None:
-            pid = specs[k].parent
-            assert pid is not None
-            ext_parents[pid] = ext_parents.get(pid, 0) + 1
-    gated: dict[Any, bool] = {}
-    outer: dict[str, set[int]] = {}  # existing containers above each new job
-    for k in order:
-        top = k
-        while top in parent:
-            top = parent[top]
-        if specs[top].parent is not None:
-            outer[k] = set(_ancestors(conn, specs[top].parent))
-            clash = outer[k] & set(specs[k].depends_on)
-            if clash:
-                raise InvalidJob(f"submit: job {k!r} depends on job {min(clash)}, a container it is inside (a cycle)")
-    for pid, n in sorted(ext_parents.items()):
-        hit = conn.execute(
-            sa.update(_jobs).where(_c.id == pid, _c.is_container == _TRUE, _state_is("waiting"))
-            .values(pending_children=_c.pending_children + n)
-        ).rowcount
-        if hit != 1:
-            row = conn.execute(sa.select(_c.is_container, _c.state).where(_c.id == pid)).first()
-            what = "does not exist" if row is None else ("is not a container" if not row.is_container else f"has already rolled up ({row.state})")
-            raise InvalidJob(f"submit: parent job {pid} {what}")
-        gated[pid] = bool(conn.execute(sa.select(_c.pending_deps).where(_c.id == pid)).scalar_one())
-    # States in Python, in topological order: a closed upstream closes its dependents.
-    n_children = {k: 0 for k in specs}
-    for p in parent.values():
-        n_children[p] += 1
-    rows: dict[str, dict[str, Any]] = {}
-    closed: list[str] = []
-    for k in order:
-        sp = specs[k]
-        up_states = [existing_state[u] for u in sp.depends_on] + [rows[u]["state"] for u in deps.get(k, [])]
-        pending = sum(1 for st in up_states if st != "done")
-        bad = next((st for st in up_states if st in ("failed", "cancelled")), None)
-        par = parent.get(k)
-        gate = 1 if (par is not None and rows[par]["pending_deps"] > 0) or (sp.parent is not None and gated[sp.parent]) else 0
-        if par is not None and rows[par]["state"] in ("failed", "cancelled"):
-            bad = rows[par]["state"]
-        state = ("failed" if bad == "failed" else "cancelled") if bad else ("waiting" if sp.container or pending + gate else "ready")
-        if isinstance(sp.run_after, _dt.timedelta):
-            run_after = now + sp.run_after
-        else:
-            run_after = now if sp.run_after is None else _to_db_time(sp.run_after, "run_after")
-        rows[k] = dict(
-            type=sp.type, args=sp.args, state=state, is_container=sp.container, parent_id=sp.parent,
-            group_key=sp.group_key, weight=sp.weight, run_after=run_after, created_at=now, updated_at=now,
-            finished_at=now if bad else None, error=f"an upstream of this job was already {bad}" if bad else None,
-            attempts=0, max_attempts=sp.max_attempts, timeout=sp.timeout, in_flight=False, cancel_requested=False,
-            pending_deps=pending + gate, pending_children=n_children[k], failed_children=0,
-        )
-        if bad:
-            closed.append(k)
+        raise InvalidJob(f"{prefix}depends_on: no job with id {', '.join(map(str, missing))}")
+    named_by: dict[int, str] = {}  # existing container -> the first key that names it as parent
+    for k, sp in specs.items():
+        if isinstance(sp.parent, int):
+            named_by.setdefault(sp.parent, k)
+    boxes: dict[int, Any] = {}
+    for chunk in _chunks(sorted(named_by)):  # locked: it cannot roll up or be cancelled before our commit
+        boxes.update((r.id, r) for r in conn.execute(_q_lock_jobs(d, chunk)))
+    for pid, k in named_by.items():
+        r = boxes.get(pid)
+        if r is None:
+            raise InvalidJob(f"{plan.where(k)}parent: no job with id {pid}")
+        if not r.is_container:
+            raise InvalidJob(f"{plan.where(k)}parent {pid} is not a container (enqueue it with container=True)")
+        if r.state != "waiting":
+            raise InvalidJob(f"{plan.where(k)}parent {pid} has already rolled up ({r.state}); it takes no more children")
+    if boxes:
+        _check_existing_deadlocks(conn, plan, boxes)
+    rows, closed = _born_rows(plan, up_state, {pid: r.pending_deps > 0 for pid, r in boxes.items()}, now)
+    # -- every check passed: write
+    per_box: dict[int, int] = {}
+    for sp in specs.values():
+        if isinstance(sp.parent, int):
+            per_box[sp.parent] = per_box.get(sp.parent, 0) + 1
+    for pid in sorted(per_box):
+        conn.execute(_q_add_children(pid, per_box[pid]))
     ids: dict[str, int] = {}
-    level = [k for k in order if k not in parent]
-    while level:  # containers before their children: a child row needs its parent's id
-        for k in level:
-            if k in parent:
-                rows[k]["parent_id"] = ids[parent[k]]
+    kids: dict[str, list[str]] = {}
+    for k in plan.order:
+        if k in plan.parent:
+            kids.setdefault(plan.parent[k], []).append(k)
+    level = [k for k in plan.order if k not in plan.parent]
+    while level:  # containers before their children: a child row needs its container's id
         for keys in _chunks(level, 1000):
-            got = _insert_rows(conn, d, [rows[k] for k in keys])
-            ids.update(zip(keys, got, strict=True))
-        placed = set(level)
-        level = [k for k in order if parent.get(k) in placed]
-    edges = [{"job_id": ids[k], "depends_on_id": ids[u]} for k in order for u in deps.get(k, [])]
-    edges += [{"job_id": ids[k], "depends_on_id": u} for k in order for u in specs[k].depends_on]
+            for k in keys:
+                if k in plan.parent:
+                    rows[k]["parent_id"] = ids[plan.parent[k]]
+            ids.update(zip(keys, _insert_rows(conn, d, [rows[k] for k in keys]), strict=True))
+        level = [c for k in level for c in kids.get(k, ())]
+    edges = [{"job_id": ids[k], "depends_on_id": ids[u] if isinstance(u, str) else u}
+             for k in plan.order for u in specs[k].depends_on]
     for edge_rows in _chunks(edges, 1000):
-        conn.execute(sa.insert(_deps), list(edge_rows))
+        conn.execute(_Q_INSERT_DEPS, list(edge_rows))
     if closed:
-        _settle(conn, d, now, [(ids[k], rows[k]["state"]) for k in closed])
+        causes = []
+        for k, cause, by_box in closed:
+            cid = ids[cause] if isinstance(cause, str) else cause
+            causes.append({"b_id": ids[k], "b_by": cid, "b_error": _closed_error(rows[k]["state"], cid, by_box)})
+        conn.execute(_Q_NAME_CAUSE, causes)
+        _settle(conn, d, now, [(ids[k], rows[k]["state"]) for k, _, _ in closed])
     if any(r["state"] == "ready" for r in rows.values()):
         d.notify(conn)
     return ids
 
 
+def _born_rows(plan: _Plan, up_state: Mapping[int, str], gated: Mapping[int, bool], now: _dt.datetime
+               ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, int | str, bool]]]:
+    """The state rule for new jobs, in topological order: closed (failed/cancelled) when an
+    upstream or the container already is, waiting while upstreams are unfinished, the job is a
+    container, or a container above it still waits on its own upstreams (the gate), else ready.
+    Returns the rows and, for each job born closed, (key, its cause, whether the cause is its
+    container)."""
+    n_children: dict[str, int] = {}
+    for p in plan.parent.values():
+        n_children[p] = n_children.get(p, 0) + 1
+    rows: dict[str, dict[str, Any]] = {}
+    closed: list[tuple[str, int | str, bool]] = []
+    for k in plan.order:
+        sp = plan.specs[k]
+        states = {u: up_state[u] if isinstance(u, int) else rows[u]["state"] for u in sp.depends_on}
+        pending = sum(1 for s in states.values() if s != "done")
+        bad = [u for u, s in states.items() if s in _BAD]
+        cause: int | str | None = min((u for u in bad if isinstance(u, int)), default=bad[0] if bad else None)
+        by_box = False
+        if isinstance(sp.parent, str):
+            gate = rows[sp.parent]["pending_deps"] > 0
+            if rows[sp.parent]["state"] in _BAD:
+                cause, by_box = sp.parent, True
+        else:
+            gate = sp.parent is not None and gated[sp.parent]
+        if cause is not None:
+            state = rows[str(sp.parent)]["state"] if by_box else states[cause]
+            closed.append((k, cause, by_box))
+        else:
+            state = "waiting" if sp.container or pending or gate else "ready"
+        rows[k] = _job_row(sp, now, state=state, pending_deps=pending + int(gate), pending_children=n_children.get(k, 0))
+    return rows, closed
+
+
+def _closed_error(state: str, cause: int, by_container: bool) -> str:
+    return f"{'container' if by_container else 'upstream job'} {cause} {'failed' if state == 'failed' else 'was cancelled'}"
+
+
+def _check_existing_deadlocks(conn: Connection, plan: _Plan, boxes: Mapping[int, Any]) -> None:
+    """New jobs go into existing containers: refuse any wait-for cycle through existing work."""
+    top: dict[str, int | None] = {}  # the existing container each new job is (indirectly) inside
+    for k in plan.order:
+        sp = plan.specs[k]
+        top[k] = top[plan.parent[k]] if k in plan.parent else sp.parent  # type: ignore[assignment]
+    above: dict[int, set[int]] = {}
+    for k in plan.order:
+        ints = [u for u in plan.specs[k].depends_on if isinstance(u, int)]
+        box = top[k]
+        if not ints or box is None:
+            continue
+        if box not in above:
+            above[box] = set(_ancestors(conn, box))
+        clash = sorted(above[box].intersection(ints))
+        if clash:
+            raise InvalidJob(f"{plan.where(k)}depends_on: container {clash[0]} encloses this job, which would wait "
+                             "for it while it waits for its children: they would wait for each other forever")
+    starts: list[Any] = [u for sp in plan.specs.values() for u in sp.depends_on if isinstance(u, int)]
+    starts += [("g", pid) for pid in sorted(boxes)]
+    existing, containers = _existing_waits(conn, starts)
+    cycle = _check_waits_for(_wait_graph(plan, existing), plan.order)
+    if cycle:
+        raise plan.deadlock(cycle, containers | set(boxes))
+
+
+def _existing_waits(conn: Connection, starts: Iterable[Any]) -> tuple[dict[Any, list[Any]], set[int]]:
+    """What existing unfinished work waits for, as far as it reaches from ``starts`` (job ids and
+    ("g", id) container gates): a job its unfinished upstreams and its container's gate; a
+    container also its unfinished children; a gate the container's unfinished upstreams and
+    the gate above. Breadth first, a few statements per level. Returns (waits, containers seen)."""
+    waits: dict[Any, list[Any]] = {}
+    containers: set[int] = set()
+    frontier = list(dict.fromkeys(starts))
+    while frontier:
+        nodes = sorted({x for x in frontier if isinstance(x, int)})
+        gates = sorted({x[1] for x in frontier if isinstance(x, tuple)})
+        rows: dict[int, Any] = {}
+        for chunk in _chunks(sorted(set(nodes) | set(gates))):
+            rows.update((r.id, r) for r in conn.execute(_q_wait_nodes(chunk)))
+        containers.update(i for i, r in rows.items() if r.is_container)
+        live = {i for i in nodes if i in rows and rows[i].state not in TERMINAL}
+        ups: dict[int, list[int]] = {}
+        for chunk in _chunks(sorted(live | {g for g in gates if g in rows})):
+            for j, u in conn.execute(_q_open_upstreams(chunk)):
+                ups.setdefault(j, []).append(u)
+        kids: dict[int, list[int]] = {}
+        for chunk in _chunks(sorted(i for i in live if rows[i].is_container)):
+            for p, c in conn.execute(_q_open_children(chunk)):
+                kids.setdefault(p, []).append(c)
+        nxt: list[Any] = []
+        for i in nodes:
+            above = [("g", rows[i].parent_id)] if i in live and rows[i].parent_id is not None else []
+            waits[i] = ups.get(i, []) + kids.get(i, []) + above if i in live else []
+            nxt += waits[i]
+        for g in gates:
+            r = rows.get(g)
+            waits[("g", g)] = [] if r is None else ups.get(g, []) + ([("g", r.parent_id)] if r.parent_id is not None else [])
+            nxt += waits[("g", g)]
+        frontier = [x for x in dict.fromkeys(nxt) if x not in waits]
+    return waits, containers
+
+
 def _insert_rows(conn: Connection, d: _Dialect, rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """Insert job rows and return their ids in order (one statement where RETURNING allows)."""
-    if not d.returning:  # no INSERT ... RETURNING on MySQL: one row at a time
-        return [int(conn.execute(sa.insert(_jobs).values(**r)).inserted_primary_key[0]) for r in rows]  # type: ignore[index]
-    result = conn.execute(sa.insert(_jobs).returning(_c.id, sort_by_parameter_order=True), list(rows))
-    return [int(x) for x in result.scalars()]
-
-
-def _waits_on_any(conn: Connection, starts: Sequence[int], targets: set[int]) -> tuple[int, int, int] | None:
-    """Follow what unfinished jobs wait for (upstreams, a container's children, the upstreams of
-    enclosing containers) from ``starts``; return (start, via, target) if a target is reached."""
-    for start in starts:
-        seen: set[int] = set()
-        frontier = [start]
-        while frontier:
-            nxt: list[int] = []
-            for chunk in _chunks(frontier):
-                rows = conn.execute(sa.select(_c.id, _c.state, _c.parent_id, _c.is_container).where(_c.id.in_(chunk))).all()
-                for r in rows:
-                    if r.id in targets:
-                        return start, frontier[0], r.id
-                    if r.id in seen or r.state in TERMINAL:
-                        continue
-                    seen.add(r.id)
-                    nxt += list(conn.execute(sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == r.id)).scalars())
-                    if r.is_container:
-                        nxt += list(conn.execute(sa.select(_c.id).where(_c.parent_id == r.id)).scalars())
-                    for a in _ancestors(conn, r.parent_id):
-                        nxt += list(conn.execute(sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == a)).scalars())
-            frontier = [x for x in nxt if x not in seen]
-    return None
+    if len(rows) == 1 or not d.returning:  # without INSERT ... RETURNING (MySQL): one row at a time
+        return [int(conn.execute(_Q_INSERT_JOB, dict(r)).inserted_primary_key[0]) for r in rows]  # type: ignore[index]
+    return [int(x) for x in conn.execute(_Q_INSERT_JOBS, list(rows)).scalars()]
 
 
 def _ancestors(conn: Connection, job_id: int | None) -> list[int]:
     """``job_id`` and the containers above it, innermost first."""
     out: list[int] = []
-    while job_id is not None and job_id not in out:
+    seen: set[int] = set()
+    while job_id is not None and job_id not in seen:
         out.append(job_id)
-        job_id = conn.execute(sa.select(_c.parent_id).where(_c.id == job_id)).scalar()
+        seen.add(job_id)
+        job_id = conn.execute(_q_parent_of(job_id)).scalar()
     return out
 
 
@@ -2581,114 +2816,89 @@ def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[t
 
     done: each dependent's pending count drops; a waiting job that reaches 0 becomes ready (a
     container opens, releasing its children). failed/cancelled: waiting dependents, and the
-    waiting subtree of a failed container, end in the same state naming the cause. Either
-    way the parent container counts the child, and rolls up when it was the last.
+    waiting subtree of a failed container, end in the same state naming the cause, which
+    ``closed_by`` records. Either way the parent container counts the child, and rolls up when
+    it was the last. A work list, never recursion: chains and nests of any depth.
     """
     todo: deque[tuple[int, str]] = deque(events)
+    known = known_parents or {}
     while todo:
         batch = [todo.popleft() for _ in range(len(todo))]
-        ids = [i for i, _ in batch]
         state_of = dict(batch)
+        ids = list(state_of)
         parents: dict[int, list[int]] = {}
-        known = known_parents or {}
         for i in ids:
-            if known.get(i, -1) not in (-1, None):
-                parents.setdefault(known[i], []).append(i)  # type: ignore[arg-type]
+            p = known.get(i, -1)
+            if p is not None and p != -1:
+                parents.setdefault(p, []).append(i)
         for chunk in _chunks([i for i in ids if i not in known]):
-            for row in conn.execute(sa.select(_c.id, _c.parent_id).where(_c.id.in_(chunk), _c.parent_id.is_not(None))):
+            for row in conn.execute(_q_parents(chunk)):
                 parents.setdefault(row.parent_id, []).append(row.id)
         # -- containers count their children
         for pid in sorted(parents):
             kids = parents[pid]
-            bad = sum(1 for k in kids if state_of[k] != "done")
-            n = conn.execute(
-                sa.update(_jobs)
-                .where(_c.id == pid, _state_is("waiting"))
-                .values(pending_children=_c.pending_children - len(kids), failed_children=_c.failed_children + bad)
-            ).rowcount
-            if not n:
+            bad = [k for k in kids if state_of[k] != "done"]
+            if not conn.execute(_q_count_finished_children(pid, len(kids), len(bad))).rowcount:
                 continue  # the container already ended (e.g. failed from upstream)
-            row = conn.execute(sa.select(_c.pending_children, _c.failed_children).where(_c.id == pid)).one()
+            row = conn.execute(_q_child_counts(pid)).one()
             if row.pending_children == 0:
-                first_bad = min((k for k in kids if state_of[k] != "done"), default=None)
-                state = "done" if row.failed_children == 0 else "failed"
-                err = None if state == "done" else f"{row.failed_children} child job(s) failed or were cancelled" + (
-                    f" (e.g. job {first_bad})" if first_bad else "")
-                conn.execute(
-                    sa.update(_jobs).where(_c.id == pid, _state_is("waiting"))
-                    .values(state=state, finished_at=now, updated_at=now, error=err)
-                )
+                state, err = _rollup(row.failed_children, min(bad, default=None))
+                conn.execute(_q_roll_up(pid, state, err, now))
                 todo.append((pid, state))
         # -- dependents
-        done = [i for i, s in batch if s == "done"]
-        for chunk in _chunks(done):
-            counts: dict[int, int] = {}
-            for row in conn.execute(
-                sa.select(_deps.c.job_id, sa.func.count()).where(_id_in(d, _deps.c.depends_on_id, chunk)).group_by(_deps.c.job_id)
-            ):
-                counts[row[0]] = row[1]
-            if _release_pending(conn, now, counts, todo):
+        for chunk in _chunks([i for i, s in batch if s == "done"]):
+            counts: dict[int, int] = dict(conn.execute(_q_dependent_counts(d, chunk)).all())
+            if _release_pending(conn, now, counts):
                 d.notify(conn)
-        for bad_state in ("failed", "cancelled"):
-            bad_ids = [i for i, s in batch if s == bad_state]
-            for chunk in _chunks(bad_ids):
-                cause: dict[int, int] = {}
-                for row in conn.execute(
-                    sa.select(_deps.c.job_id, sa.func.min(_deps.c.depends_on_id))
-                    .where(_deps.c.depends_on_id.in_(chunk)).group_by(_deps.c.job_id)
-                ):
-                    cause[row[0]] = row[1]
+        for bad_state in _BAD:
+            for chunk in _chunks([i for i, s in batch if s == bad_state]):
+                by_upstream: dict[int, int] = dict(conn.execute(_q_first_upstream(chunk)).all())
+                _close_jobs(conn, now, by_upstream, bad_state, todo)
                 # children of a container that ended badly while they were still waiting
-                for row in conn.execute(
-                    sa.select(_c.id, _c.parent_id).where(_c.parent_id.in_(chunk), _state_is("waiting", "ready"))
-                ):
-                    cause.setdefault(row.id, row.parent_id)
-                _close_jobs(conn, now, cause, bad_state, todo)
+                by_box = {r.id: r.parent_id for r in conn.execute(_q_unstarted_children(chunk)) if r.id not in by_upstream}
+                _close_jobs(conn, now, by_box, bad_state, todo, by_container=True)
 
 
-def _release_pending(conn: Connection, now: _dt.datetime, counts: Mapping[int, int], todo: deque[tuple[int, str]]) -> int:
-    """Count finished upstreams off; returns how many jobs became ready."""
-    by_count: dict[int, list[int]] = {}
-    for jid, k in counts.items():
-        by_count.setdefault(k, []).append(jid)
-    touched: list[int] = []
-    for k, jids in by_count.items():
-        for chunk in _chunks(sorted(jids)):
-            conn.execute(
-                sa.update(_jobs).where(_c.id.in_(chunk), _state_is("waiting")).values(pending_deps=_c.pending_deps - k)
-            )
-            touched.extend(chunk)
-    opened: list[int] = []
+def _rollup(failed_children: int, example: int | None) -> tuple[str, str | None]:
+    """A container's final state once its last child finished, and its error."""
+    if failed_children == 0:
+        return "done", None
+    return "failed", f"{failed_children} child job(s) failed or were cancelled" + (f" (e.g. job {example})" if example else "")
+
+
+def _release_pending(conn: Connection, now: _dt.datetime, counts: Mapping[int, int]) -> int:
+    """Count finished upstreams off (job -> how many); returns how many jobs became ready. A
+    container whose own upstreams are now done opens: each child it holds was gated by one
+    pending count (see _born_rows), released in the next round, level by level for nests."""
     readied = 0
-    for chunk in _chunks(sorted(touched)):
-        rows = conn.execute(
-            sa.select(_c.id, _c.is_container).where(_c.id.in_(chunk), _state_is("waiting"), _c.pending_deps == 0)
-        ).all()
-        leaves = [r.id for r in rows if not r.is_container]
-        if leaves:
-            conn.execute(sa.update(_jobs).where(_c.id.in_(leaves), _state_is("waiting")).values(state="ready", updated_at=now))
-            readied += len(leaves)
-        opened.extend(r.id for r in rows if r.is_container)
-    if opened:
-        # A container whose own upstreams are now done opens: each child it holds was gated by
-        # one pending count (see _insert_job), released here, recursively for nested containers.
-        kids: dict[int, int] = {}
+    while counts:
+        by_count: dict[int, list[int]] = {}
+        for jid, k in counts.items():
+            by_count.setdefault(k, []).append(jid)
+        touched: list[int] = []
+        for k, jids in sorted(by_count.items()):
+            for chunk in _chunks(sorted(jids)):
+                conn.execute(_q_count_off(chunk, k))
+                touched.extend(chunk)
+        opened: list[int] = []
+        for chunk in _chunks(sorted(touched)):
+            rows = conn.execute(_q_unblocked(chunk)).all()
+            leaves = [r.id for r in rows if not r.is_container]
+            if leaves:
+                conn.execute(_q_make_ready(leaves, now))
+                readied += len(leaves)
+            opened.extend(r.id for r in rows if r.is_container)
+        counts = {}
         for chunk in _chunks(opened):
-            for row in conn.execute(sa.select(_c.id).where(_c.parent_id.in_(chunk), _state_is("waiting"))):
-                kids[row.id] = 1
-        if kids:
-            readied += _release_pending(conn, now, kids, todo)
+            counts.update((cid, 1) for cid in conn.execute(_q_waiting_children(chunk)).scalars())
     return readied
 
 
-def _close_jobs(conn: Connection, now: _dt.datetime, cause: Mapping[int, int], state: str, todo: deque[tuple[int, str]]) -> None:
-    verb = "failed" if state == "failed" else "was cancelled"
+def _close_jobs(conn: Connection, now: _dt.datetime, cause: Mapping[int, int], state: str, todo: deque[tuple[int, str]],
+                *, by_container: bool = False) -> None:
+    """Close jobs that have not started, each because of ``cause[job]``, which closed_by keeps."""
     for jid in sorted(cause):
-        n = conn.execute(
-            sa.update(_jobs).where(_c.id == jid, _state_is("waiting", "ready"))
-            .values(state=state, error=f"upstream job {cause[jid]} {verb}", finished_at=now, updated_at=now)
-        ).rowcount
-        if n:
+        if conn.execute(_q_close(jid, state, _closed_error(state, cause[jid], by_container), cause[jid], now)).rowcount:
             todo.append((jid, state))
 
 
@@ -2752,7 +2962,7 @@ def _subtree(conn: Connection, root: int) -> list[int]:
     while level:
         nxt: list[int] = []
         for chunk in _chunks(level):
-            nxt += list(conn.execute(sa.select(_c.id).where(_c.parent_id.in_(chunk))).scalars())
+            nxt += list(conn.execute(_q_children_of(chunk)).scalars())
         out += nxt
         level = nxt
     return out
@@ -2764,7 +2974,12 @@ def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> s
     A waiting or ready job becomes ``cancelled`` at once; a leased or running one is asked to
     stop (its handler sees ``ctx.stop_requested`` with reason "cancelled" at the next heartbeat)
     and ends ``cancelled`` when it returns, whatever it returns. Jobs that depend on a
-    cancelled job are cancelled too, naming the cause. Finished jobs are left as they are.
+    cancelled job are cancelled too, naming the cause. A finished job (done, failed or
+    cancelled, also one cancelled because of its upstream) is left exactly as it is.
+
+    The subtree is locked level by level, each row before its state is read, so a job that
+    finishes meanwhile keeps its result, and a child enqueued into the subtree meanwhile is
+    either seen and cancelled or refused (its container is cancelled by then).
 
     Returns:
         The job's state afterwards ("cancelled", or its live/terminal state if it was running
@@ -2776,25 +2991,31 @@ def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> s
 
     def run(conn: Connection, d: _Dialect) -> str:
         t = now or d.db_now(conn)
-        row = conn.execute(d.lock_wait(sa.select(_c.state).where(_c.id == job_id))).first()
-        if row is None:
+        root = conn.execute(_q_lock_jobs(d, [job_id])).first()
+        if root is None:
             raise InvalidJob(f"cancel: no job with id {job_id}")
-        ids = _subtree(conn, job_id)
+        if root.state in TERMINAL:
+            return str(root.state)
         closed: list[tuple[int, str]] = []
-        for chunk in _chunks(ids):
-            pending = list(conn.execute(sa.select(_c.id).where(_c.id.in_(chunk), _state_is("waiting", "ready"))).scalars())
-            if pending:
-                conn.execute(
-                    sa.update(_jobs).where(_c.id.in_(pending), _state_is("waiting", "ready"))
-                    .values(state="cancelled", error=f"cancelled with container {job_id}", finished_at=t, updated_at=t)
-                )
-                closed += [(i, "cancelled") for i in pending]
-            conn.execute(sa.update(_jobs).where(_c.id.in_(chunk), _state_is(*_LIVE)).values(cancel_requested=True))
-        # the root says plainly what happened to it; its descendants name the container
-        conn.execute(sa.update(_jobs).where(_c.id == job_id, _state_is("cancelled")).values(error="cancelled"))
+        level = [root]
+        while level:
+            unstarted = [r.id for r in level if r.state in ("waiting", "ready") and r.id != job_id]
+            for chunk in _chunks(unstarted):
+                conn.execute(_q_cancel_unstarted(chunk, f"cancelled with container {job_id}", t, root=False))
+            closed += [(i, "cancelled") for i in unstarted]
+            for chunk in _chunks([r.id for r in level if r.state in _LIVE]):
+                conn.execute(_q_request_cancel(chunk))
+            boxes = [r.id for r in level if r.is_container]
+            level = []
+            for chunk in _chunks(boxes):
+                level += conn.execute(_q_lock_open_children(d, chunk)).all()
+        if root.state in ("waiting", "ready"):
+            # the root says plainly what happened to it; its descendants name the container
+            conn.execute(_q_cancel_unstarted([job_id], "cancelled", t, root=True))
+            closed.insert(0, (job_id, "cancelled"))
         if closed:
             _settle(conn, d, t, closed)
-        return conn.execute(sa.select(_c.state).where(_c.id == job_id)).scalar_one()
+        return "cancelled" if root.state in ("waiting", "ready") else str(root.state)
 
     return _transaction(engine, run)
 
@@ -2803,89 +3024,103 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> li
     """Give a ``failed`` or ``cancelled`` job fresh attempts, and re-open what closed because of it.
 
     The job goes back to ``ready`` (``waiting`` while upstreams are unfinished); a container
-    retries its failed and cancelled descendants. Dependents that failed or were cancelled
-    because of it ("upstream job N ...") are re-opened, recursively, and so are the enclosing
-    containers that rolled up as failed because of it.
+    retries its failed and cancelled descendants, and withdraws the cancel request of children
+    still running since it was cancelled (they may finish after all). A closed container
+    around the job comes back first, with its children. Dependents that were closed by
+    propagation (``closed_by``: an upstream or their container ended badly) re-open once none
+    of their upstreams is failed or cancelled any more, transitively; containers that roll up
+    again once their re-opened children are settled do so in the same transaction.
 
     Returns:
         Every job id that was re-opened, the given one first.
 
     Raises:
-        InvalidJob: no such job, it is not failed/cancelled, or one of its own upstreams is
-            failed or cancelled (retry that one first).
+        InvalidJob: no such job, it is not failed/cancelled, or one of its own upstreams (or an
+            upstream of a closed container around it) is failed or cancelled (retry that one
+            first).
     """
 
     def run(conn: Connection, d: _Dialect) -> list[int]:
         t = now or d.db_now(conn)
-        row = conn.execute(d.lock_wait(sa.select(_c.state).where(_c.id == job_id))).first()
+        row = conn.execute(_q_lock_jobs(d, [job_id])).first()
         if row is None:
             raise InvalidJob(f"retry: no job with id {job_id}")
-        if row.state not in ("failed", "cancelled"):
+        if row.state not in _BAD:
             raise InvalidJob(f"retry: job {job_id} is {row.state}; only failed or cancelled jobs can be retried")
-        reopened: list[int] = []
-        _reopen(conn, d, t, [job_id], reopened, root=True)
+        x = row
+        while True:  # the job, then each closed container around it, must be free to re-open
+            bad = [(u, s) for u, s in conn.execute(_q_upstreams_of(d, x.id)) if s in _BAD]
+            if bad:
+                inside = "" if x.id == job_id else f" is inside container {x.id}, which"
+                raise InvalidJob(f"retry: job {job_id}{inside} depends on job {bad[0][0]}, which is {bad[0][1]}; "
+                                 "retry that one first")
+            if x.parent_id is None:
+                break
+            x = conn.execute(_q_lock_jobs(d, [x.parent_id])).one()
+            if x.state not in _BAD:
+                break
+        reopened = _reopen(conn, d, t, job_id)
+        if job_id in reopened:
+            reopened.remove(job_id)
+            reopened.insert(0, job_id)
         return reopened
 
     return _transaction(engine, run)
 
 
-def _reopen(conn: Connection, d: _Dialect, now: _dt.datetime, ids: Sequence[int], out: list[int], root: bool = False) -> None:
-    """Re-open failed/cancelled jobs (see retry); ``out`` collects what was re-opened."""
-    for jid in ids:
-        if jid in out:
+def _reopen(conn: Connection, d: _Dialect, now: _dt.datetime, root: int) -> list[int]:
+    """Re-open ``root`` and what closed because of it (see retry), by a work list over the graph
+    (never recursion: chains and nests of any depth). Returns the ids re-opened."""
+    out: list[int] = []
+    opened: set[int] = set()
+    boxes: list[tuple[int, bool]] = []  # re-opened containers, outermost first, and whether they have children
+    work: deque[int] = deque([root])
+    while work:
+        jid = work.popleft()
+        if jid in opened:
             continue
-        row = conn.execute(sa.select(_c.state, _c.parent_id, _c.is_container).where(_c.id == jid)).one()
-        if row.state not in ("failed", "cancelled"):
+        row = conn.execute(_q_lock_jobs(d, [jid])).one()
+        if row.state not in _BAD:
             continue
-        up_ids = sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == jid).scalar_subquery()
-        ups: dict[int, str] = {u: st for u, st in conn.execute(d.lock_share(sa.select(_c.id, _c.state).where(_c.id.in_(up_ids))))}
-        bad = sorted(u for u, st in ups.items() if st in ("failed", "cancelled"))
-        if bad:
-            if root:
-                raise InvalidJob(f"retry: job {jid} depends on job {bad[0]}, which is {ups[bad[0]]}; retry that one first")
-            continue
+        ups = conn.execute(_q_upstreams_of(d, jid)).all()
+        if any(s in _BAD for _, s in ups):
+            continue  # it re-opens when its last closed upstream does
         gate = 0
         if row.parent_id is not None:
-            parent = conn.execute(sa.select(_c.state, _c.pending_deps).where(_c.id == row.parent_id)).one()
-            if parent.state in ("failed", "cancelled"):
-                _reopen(conn, d, now, [row.parent_id], out)  # the container comes back first, with its children
-                if jid in out:
-                    continue
-                parent = conn.execute(sa.select(_c.state, _c.pending_deps).where(_c.id == row.parent_id)).one()
-            if parent.state != "waiting":
+            box = conn.execute(_q_lock_jobs(d, [row.parent_id])).one()
+            if box.state in _BAD:
+                work.appendleft(box.id)  # the container comes back first, with its children (this one among them)
+                continue
+            if box.state != "waiting":
                 continue
             # the container counted this child as finished badly; it is pending again
-            conn.execute(sa.update(_jobs).where(_c.id == row.parent_id)
-                         .values(pending_children=_c.pending_children + 1, failed_children=_c.failed_children - 1))
-            gate = 1 if parent.pending_deps else 0
-        pending = sum(1 for st in ups.values() if st != "done") + gate
-        fresh = {"attempts": 0, "error": None, "finished_at": None, "run_after": now, "updated_at": now,
-                 "pending_deps": pending, "cancel_requested": False, "lease_token": None}
-        if not row.is_container:
-            conn.execute(sa.update(_jobs).where(_c.id == jid).values(state="waiting" if pending else "ready", **fresh))
-            out.append(jid)
-        else:
-            kids = dict(conn.execute(sa.select(_c.id, _c.state).where(_c.parent_id == jid)).all())
-            bad_kids = sorted(k for k, st in kids.items() if st in ("failed", "cancelled"))
-            live = sum(1 for st in kids.values() if st not in TERMINAL)
+            conn.execute(_q_uncount_failed_child(box.id))
+            gate = 1 if box.pending_deps else 0
+        pending = sum(1 for _, s in ups if s != "done") + gate
+        if row.is_container:
+            kids = conn.execute(_q_child_states(jid)).all()
+            bad_kids = [k for k, s in kids if s in _BAD]
+            live = sum(1 for _, s in kids if s not in TERMINAL)
             # unfinished children are pending; failed ones count as finished badly until each
             # re-opened child moves itself back to pending
-            conn.execute(sa.update(_jobs).where(_c.id == jid).values(
-                state="waiting", pending_children=live, failed_children=len(bad_kids), **fresh))
-            out.append(jid)
-            _reopen(conn, d, now, bad_kids, out)
-            c = conn.execute(sa.select(_c.pending_children, _c.failed_children).where(_c.id == jid)).one()
-            if c.pending_children == 0 and kids:
-                state = "done" if c.failed_children == 0 else "failed"
-                conn.execute(sa.update(_jobs).where(_c.id == jid).values(state=state, finished_at=now))
-                _settle(conn, d, now, [(jid, state)])
-        closed = list(conn.execute(
-            sa.select(_c.id).where(
-                _c.id.in_(sa.select(_deps.c.job_id).where(_deps.c.depends_on_id == jid).scalar_subquery()),
-                _state_is("failed", "cancelled"), _c.error.like(f"upstream job {jid} %"))
-        ).scalars())
-        if closed:
-            _reopen(conn, d, now, sorted(closed), out)
+            conn.execute(_q_reopen(jid, "waiting", pending, now, pending_children=live, failed_children=len(bad_kids)))
+            conn.execute(_q_withdraw_cancel(jid))
+            work.extend(bad_kids)
+            boxes.append((jid, bool(kids)))
+        else:
+            conn.execute(_q_reopen(jid, "waiting" if pending else "ready", pending, now))
+        opened.add(jid)
+        out.append(jid)
+        work.extend(conn.execute(_q_closed_dependents(jid)).scalars())
+    for jid, has_kids in reversed(boxes):  # innermost first: children that stayed closed roll it up again
+        c = conn.execute(_q_child_counts(jid)).one()
+        if has_kids and c.state == "waiting" and c.pending_children == 0:
+            state, err = _rollup(c.failed_children, None)
+            conn.execute(_q_roll_up(jid, state, err, now))
+            _settle(conn, d, now, [(jid, state)])
+    if out:
+        d.notify(conn)
+    return out
 
 
 # ---- prune ------------------------------------------------------------------------------------
