@@ -3313,7 +3313,8 @@ class _WorkerCore:
             return 0
         self._persist()
         self._last_sweep = time.monotonic()
-        reclaimed, leases = got
+        reclaimed, leases, stalled = got
+        self._lost(stalled)
         for row in reclaimed:
             _emit(self.on_event, Event("reclaimed", row.id, row.type, row.group_key, row.attempts, self.worker_id,
                                        error=f"lease expired; now {row.state}"))
@@ -3325,26 +3326,28 @@ class _WorkerCore:
             self._dispatch(lease)
         return len(leases)
 
-    def _claim(self, conn: Connection, d: _Dialect, now: _dt.datetime, *, limit: int) -> tuple[list[Any], list[Lease]]:
+    def _claim(self, conn: Connection, d: _Dialect, now: _dt.datetime, *,
+               limit: int) -> tuple[list[Any], list[Lease], list[_Running]]:
         """The claim half of a tick's transaction: reclaim expired leases (and, for those this
         worker's own stalled handlers still run, hold a slot each until they return, so the
-        caps keep counting them), then lease what fits."""
+        caps keep counting them), then lease what fits. Returns the reclaimed rows, the new
+        leases, and the stalled runs (told after the commit: this may run again on a retry)."""
         back = _reclaim_rows(conn, d, now)
         reclaimed: list[Any] = []
+        mine: list[_Running] = []
         if back:
             ids = {job_id for job_id, _state in back}
             reclaimed = list(conn.execute(_q_reclaimed(sorted(ids))).all())
             with self._lock:
                 mine = [r for r in self._running.values() if r.lease.id in ids and not r.returned]
             _hold_slots(conn, mine, self.worker_id, now + _dt.timedelta(seconds=self.lease_ttl))
-            self._lost(mine)
         if limit <= 0:
-            return reclaimed, []
+            return reclaimed, [], mine
         return reclaimed, _lease_rows(
             conn, d, worker_id=self.worker_id, ttl=self.lease_ttl, now=now, limit=limit, types=self._types,
             max_in_flight=self.max_concurrency, group_caps=self.group_caps or None, state="running",
             rate_limits=self.rate_limits or None, fresh_now=True,
-        )
+        ), mine
 
     def _lost(self, runs: Sequence[_Running]) -> None:
         """Runs whose lease is gone while their handler still runs, with a slot now held for
@@ -3528,25 +3531,27 @@ class _WorkerCore:
             now = self._clock.now()
             applied, claimed = _transaction(self.engine, write, immediate=True)
         except BaseException as exc:
-            if batch is None:
+            if batch is None or not isinstance(exc, Exception):
+                if batch is not None:
+                    with self._lock:
+                        self._finished.extendleft(reversed(batch.raw))
                 if not isinstance(exc, Exception):
                     raise
                 self._db_error(exc)
                 return False, None
+            self._db_error(exc, batch.raw[0][0].lease.id if len(batch.raw) == 1 else 0)
+            # The batch, the claim, or the database? Only a batch whose own write fails while
+            # the database answers is to blame: its outcomes are then written one by one (a
+            # batch too large for the server's packet limit, a result the server refuses, a
+            # fault in one job's rollup), and one that keeps failing is given up (_blame).
+            answers = self._database_answers()
+            if answers and claim is not None:
+                self._write(batch, None)  # the batch alone (queued again, and blamed, if it fails)
+                return self._write(None, claim)  # then the claim alone: the worker keeps working
             with self._lock:  # put them back; the next tick retries with the same tokens
                 self._finished.extendleft(reversed(batch.raw))
-            if not isinstance(exc, Exception):
-                raise
-            self._db_error(exc, batch.raw[0][0].lease.id if len(batch.raw) == 1 else 0)
-            # The batch, or the database? Only a batch whose write fails while the database
-            # answers is to blame: its outcomes are then written one by one (a batch too large
-            # for the server's packet limit, a result the server refuses, a fault in one job's
-            # rollup), and one that keeps failing is given up (_blame).
-            blamed = self._database_answers()
-            if blamed:
+            if answers:
                 self._blame(batch, exc)
-            if claim is not None and blamed:
-                return self._write(None, claim)  # the claim alone: the worker keeps working
             return False, None
         if batch is not None:
             self._written(batch, applied)

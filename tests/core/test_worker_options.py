@@ -9,7 +9,6 @@ import datetime as dt
 import logging
 import multiprocessing
 import threading
-import time
 
 import pytest
 import sqlalchemy as sa
