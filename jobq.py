@@ -37,7 +37,7 @@ import traceback
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -74,6 +74,7 @@ __all__ = [
     "TX_RETRIES",
     "UnsupportedDatabase",
     "Worker",
+    "WorkerOptions",
     "aio",
     "allocate",
     "backoff",
@@ -982,6 +983,30 @@ def _q_heartbeat(ids: list[int], token: str, now: _dt.datetime, expires: _dt.dat
 
 def _q_held(ids: list[int], token: str) -> sa.Select[Any]:
     return sa.select(_c.id, _c.cancel_requested).where(_c.id.in_(ids), _c.lease_token == token, _state_is(*_LIVE))
+
+
+# ---- builders for the worker ------------------------------------------------------------------
+
+
+def _q_reclaimed(ids: list[int]) -> sa.Select[Any]:
+    # What the worker logs per reclaimed job; attempts is the attempt whose lease expired.
+    return sa.select(_c.id, _c.type, _c.group_key, _c.attempts, _c.state).where(_c.id.in_(ids)).order_by(_c.id)
+
+
+def _q_busy_or_due(types: Sequence[str], now: _dt.datetime) -> sa.Select[Any]:
+    # run_until_idle's test: work of these types that is due, leased or running. A job
+    # scheduled for later is not due: it must not keep the worker ticking.
+    due = sa.and_(_state_is("ready"), _c.run_after <= now)
+    return sa.select(_c.id).where(sa.or_(due, _state_is("leased", "running")), _c.type.in_(list(types))).limit(1)
+
+
+def _q_hold_slots() -> sa.Insert:
+    # One row per dispatch whose handler outlives its lease (executemany over the rows).
+    return sa.insert(_slots)
+
+
+def _q_renew_held_slots(worker_id: str, expires: _dt.datetime) -> sa.Update:
+    return sa.update(_slots).where(_slots.c.worker_id == worker_id).values(expires=expires)
 
 
 # ---- reclaim and housekeeping -----------------------------------------------------------------
@@ -3335,6 +3360,12 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
 # =============================================================================================
 # The worker
 # =============================================================================================
+# One loop, written once: the loops (run, run_until_idle, the gather after a finish, the drain
+# at a stop) are generators of steps, and a runner executes the steps. A step is a callable
+# (database work: called in the loop's thread by Worker, through the greenlet bridge by
+# AsyncWorker), a float (wait up to that many seconds for a wake-up), or, for AsyncWorker
+# only, an awaitable. Worker and AsyncWorker differ only in how they run steps, start a
+# dispatch and stop a stuck one.
 
 
 def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
@@ -3357,7 +3388,7 @@ class JobContext:
         worker_id: the worker running it.
     """
 
-    def __init__(self, lease: Lease, worker: Worker | None = None) -> None:
+    def __init__(self, lease: Lease, worker: Any = None) -> None:
         self.id = lease.id
         self.type = lease.type
         self.args = lease.args
@@ -3413,8 +3444,16 @@ class _Running:
     last_beat: float  # monotonic time of the last successful heartbeat (or the claim)
     thread: threading.Thread | None = None
     process: Any = None  # the handler's process, with the process executor
-    abandoned: bool = False  # released (timed out / shutdown) while its handler still ran
+    abandoned: bool = False  # released (timed out / shutdown / lease lost) while its handler still ran
     returned: bool = False  # the handler thread has finished
+    size: int = 0  # bytes of its encoded result, once returned
+    write_failures: int = 0  # writes of its outcome that failed while the database was up
+
+    @property
+    def key(self) -> tuple[str, int]:
+        # A dispatch, not a job: the same worker may hold attempt 1 (lease lost, handler still
+        # going) and attempt 2 of one job at once. Leases of one claim share a token.
+        return self.lease.token, self.lease.id
 
 
 @dataclasses.dataclass
@@ -3477,9 +3516,665 @@ def _process_main(handler: Callable[[JobContext], Any], lease: Lease, stop: Any,
 
 _EXECUTORS = ("thread", "process")
 _IDLE_THREAD_SECONDS = 30.0  # an idle handler thread exits after this long
+#: Faults the worker survives by logging ``db_error`` and backing off: the database's own
+#: errors, and a connection pool that stays exhausted past its timeout (handlers sharing it).
+_DB_FAULTS: tuple[type[BaseException], ...] = (sa.exc.DBAPIError, sa.exc.TimeoutError)
+#: Most bytes of results one finalize transaction carries: well below MariaDB's default
+#: max_allowed_packet (16 MiB), whatever the batch; a single result is at most MAX_JSON_BYTES.
+_BATCH_BYTES = 4 * 1024 * 1024
+#: Failed writes of one outcome, while the database answered other transactions, before a
+#: result is given up for a failure (and, after twice as many, the outcome is dropped and the
+#: lease left to expire): a batch that cannot be written must never wedge the worker.
+_WRITE_TRIES = 3
 
 
-class Worker:
+@dataclasses.dataclass(frozen=True, eq=False)
+class WorkerOptions:
+    """A worker's options, validated once: ``Worker(engine, handlers, **options)`` builds one,
+    and ``worker.options`` is it. Each field means what :class:`Worker`'s argument of the same
+    name means; after validation ``heartbeat_interval``, ``worker_id`` and ``retry_backoff``
+    hold their resolved values, ``group_caps``/``rate_limits`` are plain dicts.
+
+    Raises:
+        ConfigError: an option is invalid (e.g. a heartbeat too close to the lease TTL, or a
+            ``start_method`` this platform lacks with ``executor="process"``).
+        InvalidJob: ``worker_id`` is not a valid name.
+    """
+
+    max_concurrency: int
+    lease_ttl: float = 30.0
+    heartbeat_interval: float | None = None
+    poll_interval: float = 1.0
+    worker_id: str | None = None
+    timeout: float | None = None
+    group_caps: Mapping[str, int] | None = None
+    rate_limits: Mapping[str, tuple[int, float]] | None = None
+    retry_backoff: Callable[[int], float] | None = None
+    shutdown_timeout: float = 30.0
+    executor: str = "thread"
+    start_method: str = "fork"
+    listen: bool = False
+    on_event: Callable[[Event], None] | None = None
+    finalize_delay: float = 0.005
+
+    def __post_init__(self) -> None:
+        fix = functools.partial(object.__setattr__, self)
+        fix("max_concurrency", _check_int(self.max_concurrency, "max_concurrency", 1, 100_000, ConfigError))
+        ttl = _check_seconds(self.lease_ttl, "lease_ttl", ConfigError, optional=False)
+        assert ttl is not None
+        hb = ttl / 3 if self.heartbeat_interval is None else _check_seconds(
+            self.heartbeat_interval, "heartbeat_interval", ConfigError, optional=False)
+        assert hb is not None
+        if hb > ttl / 2:
+            raise ConfigError(
+                f"heartbeat_interval={hb:g}s must be at most half of lease_ttl={ttl:g}s, or one slow "
+                "heartbeat loses the lease; the default is lease_ttl / 3"
+            )
+        fix("lease_ttl", ttl)
+        fix("heartbeat_interval", hb)
+        fix("poll_interval", _check_seconds(self.poll_interval, "poll_interval", ConfigError, optional=False))
+        if self.executor not in _EXECUTORS:
+            raise ConfigError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
+        if self.executor == "process":  # threads and tasks need no start method (issue 12: no fork here)
+            import multiprocessing
+
+            if self.start_method not in multiprocessing.get_all_start_methods():
+                raise ConfigError(f"start_method {self.start_method!r} is not available here")
+        fix("worker_id", _check_name(self.worker_id, "worker_id") if self.worker_id is not None else _worker_id())
+        fix("timeout", _check_seconds(self.timeout, "timeout", ConfigError))
+        fix("group_caps", {str(g): _check_int(n, f"group_caps[{g!r}]", 1, 100_000, ConfigError)
+                           for g, n in (self.group_caps or {}).items()})
+        fix("rate_limits", _check_rate_limits(self.rate_limits))
+        fix("retry_backoff", self.retry_backoff or backoff)
+        fix("shutdown_timeout", _check_seconds(self.shutdown_timeout, "shutdown_timeout", ConfigError,
+                                               optional=False) or 30.0)
+        fix("listen", bool(self.listen))
+        delay = 0.0 if self.finalize_delay == 0 and not isinstance(self.finalize_delay, bool) else _check_seconds(
+            self.finalize_delay, "finalize_delay", ConfigError, optional=False)
+        assert delay is not None
+        if delay > 1.0:
+            raise ConfigError(f"finalize_delay={delay:g}s: keep it to a few milliseconds (at most 1 s)")
+        fix("finalize_delay", delay)
+
+
+def _check_worker_target(engine: Engine, handlers: Any) -> None:
+    if not isinstance(engine, Engine):
+        raise ConfigError(f"engine must be a SQLAlchemy Engine, got {_type_name(engine)}")
+    if not isinstance(handlers, Mapping) or not handlers:
+        raise ConfigError("handlers must be a non-empty mapping of job type -> callable")
+    for name, fn in handlers.items():
+        _check_name(name, "handler type")
+        if not callable(fn):
+            raise ConfigError(f"handler for {name!r} is not callable")
+
+
+class _WorkerCore:
+    """What Worker and AsyncWorker share: the tick, the writes, heartbeats, timeouts, and the
+    loops as generators of steps (see the section's opening comment). Not public."""
+
+    def __init__(self, engine: Engine, handlers: Mapping[str, Callable[[JobContext], Any]], options: WorkerOptions) -> None:
+        o = self.options = options
+        self.engine = engine
+        self.handlers = dict(handlers)
+        self._types = sorted(self.handlers)
+        # The resolved options, as attributes (as before WorkerOptions existed).
+        self.max_concurrency: int = o.max_concurrency
+        self.lease_ttl: float = o.lease_ttl
+        self.heartbeat_interval: float = o.heartbeat_interval  # type: ignore[assignment]  # resolved
+        self.poll_interval: float = o.poll_interval
+        self.worker_id: str = o.worker_id  # type: ignore[assignment]  # resolved
+        self.timeout = o.timeout
+        self.group_caps: dict[str, int] = dict(o.group_caps or {})
+        self.rate_limits: dict[str, tuple[int, float]] = dict(o.rate_limits or {})
+        self.retry_backoff: Callable[[int], float] = o.retry_backoff or backoff
+        self.shutdown_timeout: float = o.shutdown_timeout
+        self.executor = o.executor
+        self.listen = o.listen
+        self.on_event = o.on_event
+        self.finalize_delay: float = o.finalize_delay
+        if self.listen and not _listen_supported(engine):
+            raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
+        self._clock = _Clock(engine)
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, int], _Running] = {}  # by dispatch (_Running.key)
+        self._abandoned: list[_Running] = []  # released runs whose handler has not returned
+        self._finished: deque[tuple[_Running, str, Any]] = deque()
+        self._busy = 0  # handlers running, including abandoned ones
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._db_failures = 0
+        self._last_sweep = 0.0
+
+    # -- public control --------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask ``run`` to stop claiming and shut down gracefully (thread- and signal-safe)."""
+        self._stopping.set()
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs this worker holds right now (not counting abandoned handlers)."""
+        with self._lock:
+            return len(self._running)
+
+    # -- the loops, as steps ---------------------------------------------------------------
+
+    def _run_steps(self) -> Generator[Any, Any, None]:
+        while not self._stopping.is_set():
+            began = time.monotonic()
+            yield self._safe_tick
+            # Poll on a fixed period measured from the start of the tick, so a job enqueued
+            # just after a poll waits at most one interval plus one tick.
+            yield max(0.0, self._pause() - (time.monotonic() - began))
+            yield from self._gather_steps()
+        yield from self._drain_steps(self.shutdown_timeout)
+
+    def _until_idle_steps(self, timeout: float | None) -> Generator[Any, Any, bool]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            started = yield self._safe_tick
+            if not started and self.in_flight == 0 and not self._abandoned and (yield self._idle_in_db):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                yield from self._drain_steps(0)
+                return False
+            if not started:
+                yield 0.05 if self.in_flight and not self._db_failures else self._pause()
+            yield from self._gather_steps()
+
+    def _gather_steps(self) -> Generator[Any, Any, None]:
+        """Results that complete close together are written together: once one is waiting,
+        give the other busy handlers up to ``finalize_delay`` to finish too (no wait at all
+        when none is busy, so a long job's result is written at once)."""
+        deadline = time.monotonic() + self.finalize_delay
+        while True:
+            with self._lock:
+                if not self._finished or self._busy == 0 or self._stopping.is_set():
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            yield left
+
+    def _drain_steps(self, grace: float) -> Generator[Any, Any, None]:
+        deadline = time.monotonic() + grace
+        while True:
+            yield self._persist
+            pending = self._pending()
+            if not pending or time.monotonic() >= deadline:
+                break
+            yield 0.05
+        yield functools.partial(self._release_unstarted, pending)
+        yield from self._unwind_steps()
+
+    def _unwind_steps(self) -> Generator[Any, Any, None]:
+        yield from ()  # AsyncWorker: let cancelled tasks end, then free their slots
+
+    # -- the tick --------------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._write_suspects()
+        batch = self._take_finished()
+        self._enforce_timeouts()
+        with self._lock:
+            local_free = self.max_concurrency - self._busy
+        claiming = local_free > 0 and not self._stopping.is_set()
+        # Full or stopping: claim nothing, but keep sweeping expired leases of crashed workers.
+        sweeping = claiming or time.monotonic() - self._last_sweep > min(self.lease_ttl / 2, 5.0)
+        if not sweeping:
+            self._write(batch, None)
+            self._persist()  # what did not fit in one batch
+            return 0
+        ok, got = self._write(batch, functools.partial(self._claim, limit=local_free if claiming else 0))
+        if not ok or got is None:
+            return 0
+        self._persist()
+        self._last_sweep = time.monotonic()
+        reclaimed, leases, stalled = got
+        self._lost(stalled)
+        for row in reclaimed:
+            _emit(self.on_event, Event("reclaimed", row.id, row.type, row.group_key, row.attempts, self.worker_id,
+                                       error=f"lease expired; now {row.state}"))
+        if leases:
+            _checkpoint("claimed", [lease.id for lease in leases])
+        for lease in leases:
+            if self._events_wanted(logging.DEBUG):
+                _emit(self.on_event, Event("claimed", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+            self._dispatch(lease)
+        return len(leases)
+
+    def _claim(self, conn: Connection, d: _Dialect, now: _dt.datetime, *,
+               limit: int) -> tuple[list[Any], list[Lease], list[_Running]]:
+        """The claim half of a tick's transaction: reclaim expired leases (and, for those this
+        worker's own stalled handlers still run, hold a slot each until they return, so the
+        caps keep counting them), then lease what fits. Returns the reclaimed rows, the new
+        leases, and the stalled runs (told after the commit: this may run again on a retry)."""
+        back = _reclaim_rows(conn, d, now)
+        reclaimed: list[Any] = []
+        mine: list[_Running] = []
+        if back:
+            ids = {job_id for job_id, _state in back}
+            reclaimed = list(conn.execute(_q_reclaimed(sorted(ids))).all())
+            with self._lock:
+                mine = [r for r in self._running.values() if r.lease.id in ids and not r.returned]
+            _hold_slots(conn, mine, self.worker_id, now + _dt.timedelta(seconds=self.lease_ttl))
+        if limit <= 0:
+            return reclaimed, [], mine
+        return reclaimed, _lease_rows(
+            conn, d, worker_id=self.worker_id, ttl=self.lease_ttl, now=now, limit=limit, types=self._types,
+            max_in_flight=self.max_concurrency, group_caps=self.group_caps or None, state="running",
+            rate_limits=self.rate_limits or None, fresh_now=True,
+        ), mine
+
+    def _lost(self, runs: Sequence[_Running]) -> None:
+        """Runs whose lease is gone while their handler still runs, with a slot now held for
+        each: told to stop, and kept until they return (their results are refused)."""
+        for run in runs:
+            run.ctx._signal("lease_lost")
+        with self._lock:
+            for run in runs:
+                if self._running.pop(run.key, None) is run:
+                    run.abandoned = True
+                    if not run.returned:
+                        self._abandoned.append(run)
+        for run in runs:
+            _emit(self.on_event, Event("lease_lost", run.lease.id, run.lease.type, run.lease.group_key,
+                                       run.lease.attempt, self.worker_id))
+        self._stop_handlers(runs)
+
+    def _events_wanted(self, level: int) -> bool:
+        # The per-job events cost more than the rest of a no-op dispatch: skip building them
+        # when there is no hook and the jobq logger would drop them anyway.
+        return self.on_event is not None or logger.isEnabledFor(level)
+
+    def _pause(self) -> float:
+        # Back off while the database is failing: 0.1 s doubling to 5 s, never a hot loop.
+        if self._db_failures:
+            return min(5.0, 0.1 * 2 ** min(self._db_failures - 1, 6))
+        return self.poll_interval
+
+    def _db_error(self, exc: BaseException, job_id: int = 0, note: str = "") -> None:
+        self._db_failures += 1
+        _emit(self.on_event, Event("db_error", job_id, worker_id=self.worker_id, error=note + _one_line(exc)))
+
+    def _safe_tick(self) -> int:
+        try:
+            failures = self._db_failures
+            started = self._tick()
+            if self._db_failures == failures:
+                self._db_failures = 0  # a clean tick: the database is back
+            return started
+        except _DB_FAULTS as exc:
+            self._db_error(exc)
+            return 0
+
+    def _idle_in_db(self) -> bool:
+        """Idle: nothing of this worker's types is due (``ready`` with ``run_after`` passed),
+        leased or running. Jobs scheduled for later, or waiting on upstreams, do not count."""
+        try:
+            now = self._clock.now()
+            with self.engine.connect() as conn:
+                row = conn.execute(_q_busy_or_due(self._types, now)).first()
+                conn.rollback()
+        except _DB_FAULTS as exc:
+            self._db_error(exc)
+            return False
+        return row is None
+
+    def _dispatch(self, lease: Lease) -> None:
+        ctx = JobContext(lease, self)
+        timeout = lease.timeout if lease.timeout is not None else self.timeout
+        now = time.monotonic()
+        run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now)
+        with self._lock:
+            self._running[run.key] = run
+            self._busy += 1
+        if self._events_wanted(logging.INFO):
+            _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+        self._start(run)
+
+    # -- the runner's part (Worker: threads or processes; AsyncWorker: tasks) -------------
+
+    def _start(self, run: _Running) -> None:
+        raise NotImplementedError
+
+    def _stop_handlers(self, runs: Sequence[_Running]) -> None:
+        """After ``runs`` were released and fenced: stop what can be stopped."""
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    @staticmethod
+    def _check_result(value: Any) -> tuple[str, Any]:
+        try:
+            if value is not None and not isinstance(value, Mapping):
+                raise InvalidJob(f"handler returned {_type_name(value)}; return a dict or None")
+            return "ok", None if value is None else _encode_checked(dict(value), "result")
+        except InvalidJob as exc:  # an unstorable result will not improve on retry
+            return "fatal", _format_error(exc)
+
+    def _finish(self, run: _Running, kind: str, payload: Any) -> None:
+        _checkpoint("handler_returned", [run.lease.id])
+        if kind == "ok" and payload is not None:
+            run.size = len(json.dumps(payload, separators=(",", ":")))  # here, off the tick's path
+        with self._lock:
+            self._busy -= 1
+            run.returned = True
+            self._finished.append((run, kind, payload))
+            self._handler_idle()
+        self._poke()
+
+    def _handler_idle(self) -> None:
+        """Under the lock, as a handler returns (Worker: its thread is idle in the same step)."""
+
+    # -- writing outcomes ------------------------------------------------------------------
+
+    def _persist(self) -> None:
+        """Write finished handlers' outcomes in transactions of their own (no claim), in
+        batches of at most _BATCH_BYTES, until none is left or a write fails."""
+        self._write_suspects()
+        while True:
+            batch = self._take_finished()
+            if batch is None or not self._write(batch, None)[0]:
+                return
+
+    def _write_suspects(self) -> None:
+        # Outcomes that were in a failed write while the database answered: one per transaction.
+        while True:
+            with self._lock:
+                if not self._finished or not self._finished[0][0].write_failures:
+                    return
+                item = self._finished.popleft()
+            if not self._write(self._make_batch([item]), None)[0]:
+                return
+
+    def _take_finished(self) -> _Batch | None:
+        """Take queued handler outcomes (up to _BATCH_BYTES of results; not past one whose
+        write failed before) and turn them into fenced outcomes to write."""
+        with self._lock:
+            items: list[tuple[_Running, str, Any]] = []
+            size = 0
+            while self._finished:
+                run = self._finished[0][0]
+                if run.write_failures or (items and size + run.size > _BATCH_BYTES):
+                    break
+                items.append(self._finished.popleft())
+                size += run.size
+        return self._make_batch(items) if items else None
+
+    def _make_batch(self, items: list[tuple[_Running, str, Any]]) -> _Batch:
+        out = _Batch(items)
+        for run, kind, payload in items:
+            lease = run.lease
+            if run.abandoned:
+                out.freed.append(run)  # released earlier: drop the late result, free its held slot
+                continue
+            if run.ctx.lease_lost:
+                out.keep.append((run, "lost", None))
+                continue
+            if kind == "ok":
+                out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "done", result=payload,
+                                             parent_id=lease.parent_id))
+            else:
+                retry = kind == "error" and lease.attempt < lease.max_attempts
+                delay = float(self.retry_backoff(lease.attempt)) if retry else 0.0
+                out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
+                                             error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id))
+            out.keep.append((run, kind, payload))
+        return out
+
+    def _write(self, batch: _Batch | None, claim: Callable[[Connection, _Dialect, _dt.datetime], _T] | None,
+               ) -> tuple[bool, _T | None]:
+        """One transaction: write ``batch`` (fenced; rollups and released dependents included),
+        then run ``claim`` (reclaim + lease) in the same transaction, so a busy worker pays one
+        commit per tick. Returns (committed, what claim returned). On any error the batch is
+        queued again (its writes are idempotent: same tokens) and the error is reported; the
+        worker never dies of it."""
+        if batch is None and claim is None:
+            return True, None
+
+        def write(conn: Connection, d: _Dialect) -> tuple[list[str | None], _T | None]:
+            applied: list[str | None] = []
+            if batch is not None:
+                for run in batch.freed:
+                    conn.execute(_Q_FREE_SLOT, {"b_token": run.lease.token, "b_id": run.lease.id})
+                applied = _apply_outcomes(conn, d, batch.outcomes, now) if batch.outcomes else []
+                _checkpoint("finalize_before_commit", [o.job_id for o in batch.outcomes])
+            return applied, (claim(conn, d, now) if claim is not None else None)
+
+        try:
+            # Inside the try: the clock's occasional refresh talks to the database too, and a
+            # batch taken from _finished must go back if anything here fails.
+            now = self._clock.now()
+            applied, claimed = _transaction(self.engine, write, immediate=True)
+        except BaseException as exc:
+            if batch is None or not isinstance(exc, Exception):
+                if batch is not None:
+                    with self._lock:
+                        self._finished.extendleft(reversed(batch.raw))
+                if not isinstance(exc, Exception):
+                    raise
+                self._db_error(exc)
+                return False, None
+            self._db_error(exc, batch.raw[0][0].lease.id if len(batch.raw) == 1 else 0)
+            # The batch, the claim, or the database? Only a batch whose own write fails while
+            # the database answers is to blame: its outcomes are then written one by one (a
+            # batch too large for the server's packet limit, a result the server refuses, a
+            # fault in one job's rollup), and one that keeps failing is given up (_blame).
+            answers = self._database_answers()
+            if answers and claim is not None:
+                self._write(batch, None)  # the batch alone (queued again, and blamed, if it fails)
+                return self._write(None, claim)  # then the claim alone: the worker keeps working
+            with self._lock:  # put them back; the next tick retries with the same tokens
+                self._finished.extendleft(reversed(batch.raw))
+            if answers:
+                self._blame(batch, exc)
+            return False, None
+        if batch is not None:
+            self._written(batch, applied)
+        return True, claimed
+
+    def _database_answers(self) -> bool:
+        try:
+            _transaction(self.engine, lambda conn, d: d.db_now(conn))
+            return True
+        except Exception:  # noqa: BLE001 - the database is away: nothing to blame on the batch
+            return False
+
+    def _blame(self, batch: _Batch, exc: BaseException) -> None:
+        gave_up: list[_Running] = []
+        with self._lock:
+            for i, (run, kind, _payload) in enumerate(self._finished):
+                if not any(run is r for r, _k, _p in batch.raw):
+                    continue
+                run.write_failures += 1
+                if len(batch.raw) > 1:
+                    continue  # split first: each is tried alone
+                if run.write_failures >= 2 * _WRITE_TRIES and kind != "ok":
+                    gave_up.append(run)  # an error outcome gets twice the tries; a result half, then this
+                elif run.write_failures >= _WRITE_TRIES:
+                    self._finished[i] = (run, "fatal", f"the result could not be written ({_one_line(exc)}); "
+                                         f"failed after {run.write_failures} tries instead of retrying forever")
+            for run in gave_up:
+                self._finished = deque(item for item in self._finished if item[0] is not run)
+                self._running.pop(run.key, None)
+        for run in gave_up:
+            # The lease is left to expire: the job is reclaimed and runs again (or ends failed
+            # as a poison job), at least once as always.
+            _emit(self.on_event, Event("db_error", run.lease.id, run.lease.type, run.lease.group_key, run.lease.attempt,
+                                       self.worker_id, error=f"gave up writing its outcome: {_one_line(exc)}"))
+
+    def _written(self, batch: _Batch, applied: list[str | None]) -> None:
+        _checkpoint("finalized", [o.job_id for o, st in zip(batch.outcomes, applied, strict=True) if st == "done"])
+        with self._lock:
+            for run in batch.freed:
+                if run in self._abandoned:
+                    self._abandoned.remove(run)
+        it = iter(applied)
+        quiet = not self._events_wanted(logging.INFO)  # warnings below are still logged
+        with self._lock:
+            for run, _kind, _payload in batch.keep:
+                if self._running.get(run.key) is run:
+                    del self._running[run.key]
+        for run, kind, payload in batch.keep:
+            lease = run.lease
+            written = None if kind == "lost" else next(it)
+            if quiet and written == "done" and kind == "ok":
+                continue  # "finished": INFO, and nobody is listening
+            dur = time.monotonic() - run.started
+            ev = functools.partial(Event, job_id=lease.id, type=lease.type, group=lease.group_key, attempt=lease.attempt,
+                                   worker_id=self.worker_id, duration_s=dur)
+            if written is None:
+                _emit(self.on_event, ev("lease_lost", error="result discarded: the lease was lost"))
+            elif written == "cancelled":
+                _emit(self.on_event, ev("cancelled"))
+            elif kind == "ok":
+                _emit(self.on_event, ev("finished"))
+            else:
+                action = "retried" if kind == "error" and lease.attempt < lease.max_attempts else "failed"
+                _emit(self.on_event, ev(action, error=_one_line(payload)))
+
+    # -- releasing runs whose handler is still going --------------------------------------
+
+    def _abandon(self, runs: Sequence[_Running], reason: str, outcomes: Callable[[_Running], _Outcome]) -> list[_Running]:
+        """Release runs whose handler is still going: in one transaction write each outcome
+        (fenced) and hold a slot per run until its handler returns, so the cap keeps counting
+        it. Returns the runs written."""
+        for run in runs:
+            run.ctx._signal(reason)
+        now = self._clock.now()
+        expires = now + _dt.timedelta(seconds=self.lease_ttl)
+
+        def write(conn: Connection, d: _Dialect) -> None:
+            _apply_outcomes(conn, d, [outcomes(r) for r in runs], now)
+            _hold_slots(conn, runs, self.worker_id, expires)
+
+        _transaction(self.engine, write)
+        with self._lock:
+            for run in runs:
+                run.abandoned = True
+                self._running.pop(run.key, None)
+                if not run.returned:
+                    self._abandoned.append(run)
+                # else: returned in the meantime: its queued outcome will free the slot
+        self._stop_handlers(runs)
+        return list(runs)
+
+    def _enforce_timeouts(self) -> None:
+        now_m = time.monotonic()
+        with self._lock:
+            late = [r for r in self._running.values()
+                    if r.deadline is not None and now_m > r.deadline and not r.abandoned and not r.returned]
+        if not late:
+            return
+
+        def outcome(run: _Running) -> _Outcome:
+            lease = run.lease
+            retry = lease.attempt < lease.max_attempts
+            return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
+                            error=f"timed out after {now_m - run.started:.1f}s (limit {run.deadline - run.started:.1f}s)",  # type: ignore[operator]
+                            delay=float(self.retry_backoff(lease.attempt)) if retry else 0.0)
+
+        try:
+            self._abandon(late, "timed_out", outcome)
+        except _DB_FAULTS as exc:
+            self._db_error(exc)  # try again next tick
+            return
+        for run in late:
+            lease = run.lease
+            _emit(self.on_event, Event("timed_out", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id,
+                                       now_m - run.started, outcome(run).error))
+
+    def _pending(self) -> list[_Running]:
+        with self._lock:
+            return [r for r in self._running.values() if not r.abandoned]
+
+    def _release_unstarted(self, pending: list[_Running]) -> None:
+        """After the grace period: release what is still running back to ``ready`` at once."""
+        if pending:
+            try:
+                self._abandon(pending, "shutdown", lambda r: _Outcome(r.lease.id, self.worker_id, r.lease.token, "release"))
+                for run in pending:
+                    lease = run.lease
+                    _emit(self.on_event, Event("released", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+            except _DB_FAULTS as exc:
+                self._db_error(exc)  # the leases will expire and be reclaimed
+        self._persist()  # outcomes that arrived meanwhile; frees slots of returned handlers
+
+    # -- heartbeats ------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        with self._lock:
+            runs = [r for r in self._running.values() if not r.abandoned and not r.ctx.lease_lost]
+            unheld = [r for r in self._running.values() if not r.abandoned and r.ctx.lease_lost and not r.returned]
+            holding = bool(self._abandoned)
+        if not runs and not holding and not unheld:
+            return
+        started = time.monotonic()
+        try:
+            now = self._clock.now()
+            expires = now + _dt.timedelta(seconds=self.lease_ttl)
+
+            def write(conn: Connection, d: _Dialect) -> set[tuple[str, int, bool]]:
+                if holding:
+                    conn.execute(_q_renew_held_slots(self.worker_id, expires))
+                _hold_slots(conn, unheld, self.worker_id, expires)  # self-fenced while the database was away
+                out: set[tuple[str, int, bool]] = set()
+                by_token: dict[str, list[Lease]] = {}
+                for r in runs:
+                    by_token.setdefault(r.lease.token, []).append(r.lease)
+                for token, leases in by_token.items():
+                    held, cancel = _heartbeat_rows(conn, leases, self.lease_ttl, now)
+                    out.update((token, i, i in cancel) for i in held)
+                return out
+
+            beat = _transaction(self.engine, write)
+        except Exception as exc:  # noqa: BLE001 - the heartbeat outlives every fault
+            # Self-fence: past lease_ttl minus a margin without a successful beat, another worker
+            # may already have reclaimed the job. Stop and never write its result.
+            _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
+            margin = min(self.heartbeat_interval, self.lease_ttl * 0.2)
+            for r in runs:
+                if time.monotonic() - r.last_beat > self.lease_ttl - margin:
+                    r.ctx._signal("lease_lost")
+            return
+        if unheld:
+            self._lost(unheld)
+        lost: list[_Running] = []
+        for r in runs:
+            if (r.lease.token, r.lease.id, False) in beat or (r.lease.token, r.lease.id, True) in beat:
+                r.last_beat = started
+                if (r.lease.token, r.lease.id, True) in beat:
+                    r.ctx._signal("cancelled")
+            else:
+                with self._lock:
+                    if r.returned or self._running.get(r.key) is not r:
+                        continue  # finished and written meanwhile: not a lost lease
+                lost.append(r)
+        if lost:
+            # Reclaimed by another worker while the handler still runs: hold its slot until it
+            # returns (the caps keep counting it), as for a timeout.
+            try:
+                _transaction(self.engine, lambda conn, d: _hold_slots(conn, lost, self.worker_id, expires))
+            except Exception as exc:  # noqa: BLE001 - held on a later beat (unheld above)
+                _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
+                for r in lost:
+                    r.ctx._signal("lease_lost")
+                return
+            self._lost(lost)
+
+
+def _hold_slots(conn: Connection, runs: Sequence[_Running], worker_id: str, expires: _dt.datetime) -> None:
+    rows = [{"token": r.lease.token, "job_id": r.lease.id, "worker_id": worker_id, "group_key": r.lease.group_key,
+             "expires": expires} for r in runs if not r.returned]
+    if rows:
+        conn.execute(_q_hold_slots(), rows)
+
+
+class Worker(_WorkerCore):
     """Runs handlers for runnable jobs, within a global concurrency cap, until stopped.
 
     Each tick persists finished jobs, enforces timeouts, then in one transaction reclaims
@@ -3510,7 +4205,8 @@ class Worker:
         executor: "thread" (default) runs handlers in threads; "process" runs each dispatch in
             its own process, which is killed when it times out.
         start_method: multiprocessing start method for the process executor (default "fork";
-            "spawn" and "forkserver" need handlers importable by name).
+            "spawn" and "forkserver" need handlers importable by name). Checked only with
+            ``executor="process"``.
         listen: PostgreSQL with psycopg 3 only: also wake on NOTIFY (enqueue, released
             dependents, reclaims) through a dedicated LISTEN connection, re-LISTENing and
             polling at once after any reconnect. Polling stays on as the fallback.
@@ -3518,6 +4214,8 @@ class Worker:
         finalize_delay: once a handler has finished, seconds to wait for other busy handlers
             to finish too, so their results are written in one transaction (group commit).
             Only short jobs that finish together are delayed, by at most this much.
+
+    The options are validated once into :class:`WorkerOptions` (``worker.options``).
 
     Raises:
         ConfigError: an option is invalid (e.g. a heartbeat too close to the lease TTL).
@@ -3544,85 +4242,20 @@ class Worker:
         on_event: Callable[[Event], None] | None = None,
         finalize_delay: float = 0.005,
     ) -> None:
-        if not isinstance(engine, Engine):
-            raise ConfigError(f"engine must be a SQLAlchemy Engine, got {_type_name(engine)}")
-        if not isinstance(handlers, Mapping) or not handlers:
-            raise ConfigError("handlers must be a non-empty mapping of job type -> callable")
-        for name, fn in handlers.items():
-            _check_name(name, "handler type")
-            if not callable(fn):
-                raise ConfigError(f"handler for {name!r} is not callable")
-        self.max_concurrency = _check_int(max_concurrency, "max_concurrency", 1, 100_000, ConfigError)
-        ttl = _check_seconds(lease_ttl, "lease_ttl", ConfigError, optional=False)
-        assert ttl is not None
-        hb = ttl / 3 if heartbeat_interval is None else _check_seconds(heartbeat_interval, "heartbeat_interval", ConfigError, optional=False)
-        assert hb is not None
-        if hb > ttl / 2:
-            raise ConfigError(
-                f"heartbeat_interval={hb:g}s must be at most half of lease_ttl={ttl:g}s, or one slow "
-                "heartbeat loses the lease; the default is lease_ttl / 3"
-            )
-        poll = _check_seconds(poll_interval, "poll_interval", ConfigError, optional=False)
-        assert poll is not None
-        if executor not in _EXECUTORS:
-            raise ConfigError(f"executor must be one of {_EXECUTORS}, got {executor!r}")
+        _check_worker_target(engine, handlers)
+        options = WorkerOptions(
+            max_concurrency=max_concurrency, lease_ttl=lease_ttl, heartbeat_interval=heartbeat_interval,
+            poll_interval=poll_interval, worker_id=worker_id, timeout=timeout, group_caps=group_caps,
+            rate_limits=rate_limits, retry_backoff=retry_backoff, shutdown_timeout=shutdown_timeout, executor=executor,
+            start_method=start_method, listen=listen, on_event=on_event, finalize_delay=finalize_delay,
+        )
+        super().__init__(engine, handlers, options)
         import multiprocessing
 
-        if start_method not in multiprocessing.get_all_start_methods():
-            raise ConfigError(f"start_method {start_method!r} is not available here")
-        self.engine = engine
-        self.handlers = dict(handlers)
-        self._types = sorted(self.handlers)
-        self.lease_ttl = ttl
-        self.heartbeat_interval = hb
-        self.poll_interval = poll
-        self.worker_id = _check_name(worker_id, "worker_id") if worker_id is not None else _worker_id()
-        self.timeout = _check_seconds(timeout, "timeout", ConfigError)
-        self.group_caps = {str(g): _check_int(n, f"group_caps[{g!r}]", 1, 100_000, ConfigError) for g, n in (group_caps or {}).items()}
-        self.rate_limits = _check_rate_limits(rate_limits)
-        self.retry_backoff = retry_backoff or backoff
-        self.shutdown_timeout = _check_seconds(shutdown_timeout, "shutdown_timeout", ConfigError, optional=False) or 30.0
-        self.executor = executor
-        self.listen = bool(listen)
-        if self.listen and not _listen_supported(engine):
-            raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
-        self._mp = multiprocessing.get_context(start_method)
-        self.on_event = on_event
-        delay = 0.0 if finalize_delay == 0 and not isinstance(finalize_delay, bool) else _check_seconds(
-            finalize_delay, "finalize_delay", ConfigError, optional=False)
-        assert delay is not None
-        if delay > 1.0:
-            raise ConfigError(f"finalize_delay={delay:g}s: keep it to a few milliseconds (at most 1 s)")
-        self.finalize_delay = delay
-        if not engine.dialect.is_async:
-            _prepare(engine)  # fail fast on an unsupported database (AsyncWorker: in run())
-        self._clock = _Clock(engine)
-        self._lock = threading.Lock()
-        self._running: dict[int, _Running] = {}
-        self._abandoned: list[_Running] = []  # released runs whose handler has not returned
-        self._finished: deque[tuple[_Running, str, Any]] = deque()
-        self._busy = 0  # handler threads alive, including abandoned ones
+        self._mp = multiprocessing.get_context(start_method) if executor == "process" else None
+        _prepare(engine)  # fail fast on an unsupported database
         self._runs: queue.SimpleQueue[_Running] = queue.SimpleQueue()  # dispatches for the handler threads
         self._idle_threads = 0  # handler threads waiting on _runs
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-        self._db_failures = 0
-        self._last_sweep = 0.0
-
-    # -- public control --------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Ask :meth:`run` to stop claiming and shut down gracefully (thread- and signal-safe)."""
-        self._stopping.set()
-        self._wake.set()
-
-    @property
-    def in_flight(self) -> int:
-        """Jobs this worker holds right now (not counting abandoned handlers)."""
-        with self._lock:
-            return len(self._running)
 
     def run(self) -> None:
         """Tick until :meth:`stop` or SIGTERM/SIGINT, then stop gracefully: stop claiming, let
@@ -3630,37 +4263,20 @@ class Worker:
         restore = self._install_signals()
         self._start_heartbeats()
         try:
-            while not self._stopping.is_set():
-                began = time.monotonic()
-                self._safe_tick()
-                # Poll on a fixed period measured from the start of the tick, so a job enqueued
-                # just after a poll waits at most one interval plus one tick.
-                self._wake.wait(max(0.0, self._pause() - (time.monotonic() - began)))
-                self._wake.clear()
-                self._gather()
-            self._drain(self.shutdown_timeout)
+            self._drive(self._run_steps())
         finally:
             self._hb_stop.set()
             restore()
 
     def run_until_idle(self, timeout: float | None = None) -> bool:
-        """Tick until nothing is runnable, leased or running for this worker's types, and none
-        of its handlers is busy. Returns True when idle, False if ``timeout`` seconds passed
-        (unfinished jobs are then released, as by a graceful stop)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Tick until idle: nothing of this worker's types is due (``ready`` with its
+        ``run_after`` passed), leased or running, and none of its handlers is busy. Jobs
+        scheduled for later, or waiting on upstreams, do not keep it ticking. Returns True when
+        idle, False if ``timeout`` seconds passed (unfinished jobs are then released, as by a
+        graceful stop)."""
         self._start_heartbeats()
         try:
-            while True:
-                started = self._safe_tick()
-                if not started and self.in_flight == 0 and not self._abandoned and self._idle_in_db():
-                    return True
-                if deadline is not None and time.monotonic() > deadline:
-                    self._drain(0)
-                    return False
-                if not started:
-                    self._wake.wait(0.05 if self.in_flight and not self._db_failures else self._pause())
-                    self._wake.clear()
-                self._gather()
+            return self._drive(self._until_idle_steps(timeout))
         finally:
             self._hb_stop.set()
             self._hb_thread = None
@@ -3671,92 +4287,21 @@ class Worker:
         then dispatch. Returns how many jobs it started."""
         return self._tick()
 
-    def _tick(self) -> int:
-        batch = self._take_finished()
-        self._enforce_timeouts()
-        with self._lock:
-            local_free = self.max_concurrency - self._busy
-        claiming = local_free > 0 and not self._stopping.is_set()
-        # Full or stopping: claim nothing, but keep sweeping expired leases of crashed workers.
-        sweeping = claiming or time.monotonic() - self._last_sweep > min(self.lease_ttl / 2, 5.0)
-        if not sweeping:
-            self._write(batch, None)
-            return 0
+    # -- the thread runner -----------------------------------------------------------------
 
-        claim = functools.partial(
-            _schedule_rows, worker_id=self.worker_id, types=self._types, max_concurrency=self.max_concurrency,
-            lease_ttl=self.lease_ttl, limit=local_free if claiming else 0, group_caps=self.group_caps or None,
-            rate_limits=self.rate_limits or None, state="running", fresh_now=True,
-        )
-        got = self._write(batch, claim)
-        if got is None:
-            return 0
-        self._last_sweep = time.monotonic()
-        reclaimed, leases = got
-        if reclaimed:
-            _emit(self.on_event, Event("reclaimed", 0, worker_id=self.worker_id, error=f"{reclaimed} expired lease(s)"))
-        if leases:
-            _checkpoint("claimed", [lease.id for lease in leases])
-        for lease in leases:
-            if self._events_wanted(logging.DEBUG):
-                _emit(self.on_event, Event("claimed", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
-            self._dispatch(lease)
-        return len(leases)
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _gather(self) -> None:
-        """Results that complete close together are written together: once one is waiting,
-        give the other busy handlers up to ``finalize_delay`` to finish too (no wait at all
-        when none is busy, so a long job's result is written at once)."""
-        deadline = time.monotonic() + self.finalize_delay
+    def _drive(self, steps: Generator[Any, Any, _T]) -> _T:
+        sent: Any = None
         while True:
-            with self._lock:
-                if not self._finished or self._busy == 0 or self._stopping.is_set():
-                    return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._wake.wait(left)
-            self._wake.clear()
-
-    def _events_wanted(self, level: int) -> bool:
-        # The per-job events cost more than the rest of a no-op dispatch: skip building them
-        # when there is no hook and the jobq logger would drop them anyway.
-        return self.on_event is not None or logger.isEnabledFor(level)
-
-    def _pause(self) -> float:
-        # Back off while the database is failing: 0.1 s doubling to 5 s, never a hot loop.
-        if self._db_failures:
-            return min(5.0, 0.1 * 2 ** min(self._db_failures - 1, 6))
-        return self.poll_interval
-
-    def _db_error(self, exc: BaseException) -> None:
-        self._db_failures += 1
-        _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
-
-    def _safe_tick(self) -> int:
-        try:
-            failures = self._db_failures
-            started = self._tick()
-            if self._db_failures == failures:
-                self._db_failures = 0  # a clean tick: the database is back
-            return started
-        except sa.exc.DBAPIError as exc:
-            self._db_error(exc)
-            return 0
-
-    def _idle_in_db(self) -> bool:
-        try:
-            with self.engine.connect() as conn:
-                row = conn.execute(
-                    sa.select(_c.id).where(_state_is("ready", "leased", "running"), _c.type.in_(sorted(self.handlers))).limit(1)
-                ).first()
-                conn.rollback()
-        except sa.exc.DBAPIError as exc:
-            self._db_error(exc)
-            return False
-        return row is None
+            try:
+                step = steps.send(sent)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if callable(step):
+                sent = step()
+            else:
+                self._wake.wait(step)
+                self._wake.clear()
+                sent = None
 
     def _install_signals(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
@@ -3771,18 +4316,6 @@ class Worker:
 
         return restore
 
-    def _dispatch(self, lease: Lease) -> None:
-        ctx = JobContext(lease, self)
-        timeout = lease.timeout if lease.timeout is not None else self.timeout
-        now = time.monotonic()
-        run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now)
-        with self._lock:
-            self._running[lease.id] = run
-            self._busy += 1
-        if self._events_wanted(logging.INFO):
-            _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
-        self._start(run)
-
     def _start(self, run: _Running) -> None:
         # Handler threads are reused: an idle one takes the run, else a new one starts. The
         # pool never holds more threads than have been busy at once (at most the cap plus
@@ -3794,6 +4327,11 @@ class Worker:
         self._runs.put(run)
         if not reuse:
             threading.Thread(target=self._handler_thread, name="jobq-handler", daemon=True).start()
+
+    def _handler_idle(self) -> None:
+        # One step with the slot freed: the tick this wakes can hand its next dispatch to this
+        # thread instead of starting another one.
+        self._idle_threads += 1
 
     def _handler_thread(self) -> None:
         target = self._execute_in_process if self.executor == "process" else self._execute
@@ -3820,6 +4358,7 @@ class Worker:
     def _execute_in_process(self, run: _Running) -> tuple[str, Any]:
         from multiprocessing.connection import wait
 
+        assert self._mp is not None
         recv, send = self._mp.Pipe(duplex=False)
         stop = self._mp.Event()
         proc = self._mp.Process(  # type: ignore[attr-defined]
@@ -3854,172 +4393,10 @@ class Worker:
             recv.close()
         return kind, payload
 
-    @staticmethod
-    def _check_result(value: Any) -> tuple[str, Any]:
-        try:
-            if value is not None and not isinstance(value, Mapping):
-                raise InvalidJob(f"handler returned {_type_name(value)}; return a dict or None")
-            return "ok", None if value is None else _encode_checked(dict(value), "result")
-        except InvalidJob as exc:  # an unstorable result will not improve on retry
-            return "fatal", _format_error(exc)
-
-    def _finish(self, run: _Running, kind: str, payload: Any) -> None:
-        _checkpoint("handler_returned", [run.lease.id])
-        with self._lock:
-            # One step: the slot is free and this thread is idle, so the tick this wakes can
-            # hand its next dispatch to this thread instead of starting another one.
-            self._busy -= 1
-            self._idle_threads += 1
-            run.returned = True
-            self._finished.append((run, kind, payload))
-        self._wake.set()
-
-    def _persist(self) -> None:
-        """Write finished handlers' outcomes in one transaction of their own (no claim)."""
-        self._write(self._take_finished(), claim=None)
-
-    def _take_finished(self) -> _Batch | None:
-        """Take the queued handler outcomes and turn them into fenced outcomes to write."""
-        with self._lock:
-            batch = list(self._finished)
-            self._finished.clear()
-        if not batch:
-            return None
-        out = _Batch(batch)
-        for run, kind, payload in batch:
-            lease = run.lease
-            if run.abandoned:
-                out.freed.append(run)  # released earlier: drop the late result, free its held slot
-                continue
-            if run.ctx.lease_lost:
-                out.keep.append((run, "lost", None))
-                continue
-            if kind == "ok":
-                out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "done", result=payload,
-                                             parent_id=lease.parent_id))
-            else:
-                retry = kind == "error" and lease.attempt < lease.max_attempts
-                delay = float(self.retry_backoff(lease.attempt)) if retry else 0.0
-                out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
-                                             error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id))
-            out.keep.append((run, kind, payload))
-        return out
-
-    def _write(self, batch: _Batch | None, claim: Callable[[Connection, _Dialect, _dt.datetime], _T] | None) -> _T | None:
-        """One transaction: write ``batch`` (fenced; rollups and released dependents included),
-        then run ``claim`` (reclaim + lease) in the same transaction, so a busy worker pays one
-        commit per tick. On a database error the batch is queued again (its writes are
-        idempotent: same tokens) and the error is reported."""
-        if batch is None and claim is None:
-            return None
-
-        def write(conn: Connection, d: _Dialect) -> tuple[list[str | None], _T | None]:
-            applied: list[str | None] = []
-            if batch is not None:
-                for run in batch.freed:
-                    conn.execute(_Q_FREE_SLOT, {"b_token": run.lease.token, "b_id": run.lease.id})
-                applied = _apply_outcomes(conn, d, batch.outcomes, now) if batch.outcomes else []
-                _checkpoint("finalize_before_commit", [o.job_id for o in batch.outcomes])
-            return applied, (claim(conn, d, now) if claim is not None else None)
-
-        try:
-            # Inside the try: the clock's occasional refresh talks to the database too, and a
-            # batch taken from _finished must go back if anything here fails.
-            now = self._clock.now()
-            applied, claimed = _transaction(self.engine, write, immediate=True)
-        except BaseException as exc:
-            if batch is not None:
-                with self._lock:  # put them back; the next tick retries with the same tokens
-                    self._finished.extendleft(reversed(batch.raw))
-            if isinstance(exc, sa.exc.DBAPIError):
-                self._db_error(exc)
-                return None
-            raise
-        if batch is not None:
-            self._written(batch, applied)
-        return claimed
-
-    def _written(self, batch: _Batch, applied: list[str | None]) -> None:
-        _checkpoint("finalized", [o.job_id for o, st in zip(batch.outcomes, applied, strict=True) if st == "done"])
-        with self._lock:
-            for run in batch.freed:
-                if run in self._abandoned:
-                    self._abandoned.remove(run)
-        it = iter(applied)
-        quiet = not self._events_wanted(logging.INFO)  # warnings below are still logged
-        with self._lock:
-            for run, _kind, _payload in batch.keep:
-                self._running.pop(run.lease.id, None)
-        for run, kind, payload in batch.keep:
-            lease = run.lease
-            written = None if kind == "lost" else next(it)
-            if quiet and written == "done" and kind == "ok":
-                continue  # "finished": INFO, and nobody is listening
-            dur = time.monotonic() - run.started
-            ev = functools.partial(Event, job_id=lease.id, type=lease.type, group=lease.group_key, attempt=lease.attempt,
-                                   worker_id=self.worker_id, duration_s=dur)
-            if written is None:
-                _emit(self.on_event, ev("lease_lost", error="result discarded: the lease was lost"))
-            elif written == "cancelled":
-                _emit(self.on_event, ev("cancelled"))
-            elif kind == "ok":
-                _emit(self.on_event, ev("finished"))
-            else:
-                action = "retried" if kind == "error" and lease.attempt < lease.max_attempts else "failed"
-                _emit(self.on_event, ev(action, error=_one_line(payload)))
-
-    def _abandon(self, runs: Sequence[_Running], reason: str, outcomes: Callable[[_Running], _Outcome]) -> list[_Running]:
-        """Release runs whose handler is still going: in one transaction write each outcome
-        (fenced) and hold a slot per run until its handler returns, so the cap keeps counting
-        it. Returns the runs written."""
-        for run in runs:
-            run.ctx._signal(reason)
-        now = self._clock.now()
-        expires = now + _dt.timedelta(seconds=self.lease_ttl)
-
-        def write(conn: Connection, d: _Dialect) -> None:
-            _apply_outcomes(conn, d, [outcomes(r) for r in runs], now)
-            _hold_slots(conn, runs, self.worker_id, expires)
-
-        _transaction(self.engine, write)
-        with self._lock:
-            for run in runs:
-                run.abandoned = True
-                self._running.pop(run.lease.id, None)
-                if not run.returned:
-                    self._abandoned.append(run)
-                else:
-                    # returned in the meantime: its queued outcome will free the slot
-                    pass
+    def _stop_handlers(self, runs: Sequence[_Running]) -> None:
         for run in runs:
             if run.process is not None and run.process.is_alive():
                 run.process.kill()  # the process executor can really stop a stuck handler
-        return list(runs)
-
-    def _enforce_timeouts(self) -> None:
-        now_m = time.monotonic()
-        with self._lock:
-            late = [r for r in self._running.values()
-                    if r.deadline is not None and now_m > r.deadline and not r.abandoned and not r.returned]
-        if not late:
-            return
-
-        def outcome(run: _Running) -> _Outcome:
-            lease = run.lease
-            retry = lease.attempt < lease.max_attempts
-            return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
-                            error=f"timed out after {now_m - run.started:.1f}s (limit {run.deadline - run.started:.1f}s)",  # type: ignore[operator]
-                            delay=float(self.retry_backoff(lease.attempt)) if retry else 0.0)
-
-        try:
-            self._abandon(late, "timed_out", outcome)
-        except sa.exc.DBAPIError as exc:
-            self._db_error(exc)  # try again next tick
-            return
-        for run in late:
-            lease = run.lease
-            _emit(self.on_event, Event("timed_out", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id,
-                                       now_m - run.started, outcome(run).error))
 
     def _start_heartbeats(self) -> None:
         if self._hb_thread is not None and self._hb_thread.is_alive():
@@ -4055,78 +4432,6 @@ class Worker:
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_interval):
             self._beat()
-
-    def _beat(self) -> None:
-        with self._lock:
-            runs = [r for r in self._running.values() if not r.abandoned and not r.ctx.lease_lost]
-            holding = bool(self._abandoned)
-        if not runs and not holding:
-            return
-        started = time.monotonic()
-        try:
-            now = self._clock.now()
-
-            def write(conn: Connection, d: _Dialect) -> tuple[set[int], set[int]]:
-                if holding:
-                    conn.execute(sa.update(_slots).where(_slots.c.worker_id == self.worker_id)
-                                 .values(expires=now + _dt.timedelta(seconds=self.lease_ttl)))
-                return _heartbeat_rows(conn, [r.lease for r in runs], self.lease_ttl, now) if runs else (set(), set())
-
-            held, cancel = _transaction(self.engine, write)
-        except sa.exc.DBAPIError as exc:
-            # Self-fence: past lease_ttl minus a margin without a successful beat, another worker
-            # may already have reclaimed the job. Stop and never write its result.
-            _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
-            margin = min(self.heartbeat_interval, self.lease_ttl * 0.2)
-            for r in runs:
-                if time.monotonic() - r.last_beat > self.lease_ttl - margin:
-                    r.ctx._signal("lease_lost")
-            return
-        for r in runs:
-            if r.lease.id in held:
-                r.last_beat = started
-                if r.lease.id in cancel:
-                    r.ctx._signal("cancelled")
-            else:
-                with self._lock:
-                    if r.returned or self._running.get(r.lease.id) is not r:
-                        continue  # finished and written meanwhile: not a lost lease
-                r.ctx._signal("lease_lost")
-                _emit(self.on_event, Event("lease_lost", r.lease.id, r.lease.type, r.lease.group_key, r.lease.attempt, self.worker_id))
-
-    def _drain(self, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        while True:
-            self._persist()
-            pending = self._pending()
-            if not pending or time.monotonic() >= deadline:
-                break
-            self._wake.wait(0.05)
-            self._wake.clear()
-        self._release_pending(pending)
-
-    def _pending(self) -> list[_Running]:
-        with self._lock:
-            return [r for r in self._running.values() if not r.abandoned]
-
-    def _release_pending(self, pending: list[_Running]) -> None:
-        """After the grace period: release what is still running back to ``ready`` at once."""
-        if pending:
-            try:
-                self._abandon(pending, "shutdown", lambda r: _Outcome(r.lease.id, self.worker_id, r.lease.token, "release"))
-                for run in pending:
-                    lease = run.lease
-                    _emit(self.on_event, Event("released", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
-            except sa.exc.DBAPIError as exc:
-                self._db_error(exc)  # the leases will expire and be reclaimed
-        self._persist()  # outcomes that arrived meanwhile; frees slots of returned handlers
-
-
-def _hold_slots(conn: Connection, runs: Sequence[_Running], worker_id: str, expires: _dt.datetime) -> None:
-    rows = [{"token": r.lease.token, "job_id": r.lease.id, "worker_id": worker_id, "group_key": r.lease.group_key,
-             "expires": expires} for r in runs if not r.returned]
-    if rows:
-        conn.execute(sa.insert(_slots), rows)
 
 
 def _format_error(exc: BaseException) -> str:
@@ -4173,10 +4478,10 @@ def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
     return twin
 
 
-class AsyncWorker(Worker):
+class AsyncWorker(_WorkerCore):
     """:class:`Worker` for asyncio: handlers are coroutine functions (``async def handler(ctx)``)
     run as tasks on the running event loop, with the same claim, lease, heartbeat, finalize
-    and tick semantics and the same database code.
+    and tick semantics, the same loop and the same database code (only the runner differs).
 
     Takes the Worker's options, except ``executor`` (handlers are tasks) and ``listen``.
     Differences that follow from asyncio: a dispatch that times out, loses its lease, or whose
@@ -4202,11 +4507,56 @@ class AsyncWorker(Worker):
         for name, fn in (handlers.items() if isinstance(handlers, Mapping) else ()):
             if not inspect.iscoroutinefunction(fn):
                 raise ConfigError(f"handler for {name!r} must be an async def function")
-        super().__init__(engine.sync_engine, handlers, **options)
+        _check_worker_target(engine.sync_engine, handlers)
+        super().__init__(engine.sync_engine, handlers, WorkerOptions(**options))
         self.async_engine = engine
-        self._tasks: dict[int, Any] = {}
+        self._tasks: dict[tuple[str, int], Any] = {}  # by dispatch (_Running.key)
         self._loop: Any = None  # the event loop this worker runs on
         self._awake: Any = None  # asyncio.Event, made on the running loop
+
+    async def run(self) -> None:
+        """Tick until :meth:`stop` (or SIGTERM/SIGINT in the main thread), then stop gracefully."""
+        done = await self._setup()
+        try:
+            await self._drive(self._run_steps())
+        finally:
+            done()
+
+    async def run_until_idle(self, timeout: float | None = None) -> bool:
+        """As :meth:`Worker.run_until_idle`."""
+        done = await self._setup()
+        try:
+            return await self._drive(self._until_idle_steps(timeout))
+        finally:
+            done()
+
+    async def tick(self) -> int:
+        """As :meth:`Worker.tick`."""
+        await self._attach()
+        return await self._bridge(self._tick)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop claiming and shut down gracefully (thread-safe)."""
+        super().stop()
+        if self._awake is not None:
+            self._loop.call_soon_threadsafe(self._awake.set)
+
+    # -- the task runner -------------------------------------------------------------------
+
+    async def _drive(self, steps: Generator[Any, Any, _T]) -> _T:
+        sent: Any = None
+        while True:
+            try:
+                step = steps.send(sent)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if callable(step):
+                sent = await self._bridge(step)
+            elif isinstance(step, (int, float)):
+                await self._nap(step)
+                sent = None
+            else:
+                sent = await step
 
     async def _bridge(self, fn: Callable[..., _T], *args: Any) -> _T:
         from sqlalchemy.util import greenlet_spawn
@@ -4250,52 +4600,15 @@ class AsyncWorker(Worker):
 
         return done
 
-    async def run(self) -> None:  # type: ignore[override]
-        """Tick until :meth:`stop` (or SIGTERM/SIGINT in the main thread), then stop gracefully."""
-        done = await self._setup()
-        try:
-            while not self._stopping.is_set():
-                began = time.monotonic()
-                await self._bridge(self._safe_tick)
-                await self._nap(max(0.0, self._pause() - (time.monotonic() - began)))
-                await self._gather_async()
-            await self._drain_async(self.shutdown_timeout)
-        finally:
-            done()
+    def _unwind_steps(self) -> Generator[Any, Any, None]:
+        import asyncio
 
-    async def run_until_idle(self, timeout: float | None = None) -> bool:  # type: ignore[override]
-        """As :meth:`Worker.run_until_idle`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done = await self._setup()
-        try:
-            while True:
-                started = await self._bridge(self._safe_tick)
-                if not started and self.in_flight == 0 and not self._abandoned and await self._bridge(self._idle_in_db):
-                    return True
-                if deadline is not None and time.monotonic() > deadline:
-                    await self._drain_async(0)
-                    return False
-                if not started:
-                    await self._nap(0.05 if self.in_flight and not self._db_failures else self._pause())
-                await self._gather_async()
-        finally:
-            done()
-
-    async def tick(self) -> int:  # type: ignore[override]
-        """As :meth:`Worker.tick`."""
-        await self._attach()
-        return await self._bridge(self._tick)
-
-    def stop(self) -> None:
-        """Ask :meth:`run` to stop claiming and shut down gracefully (thread-safe)."""
-        super().stop()
-        if self._awake is not None:
-            self._loop.call_soon_threadsafe(self._awake.set)
-
-    # -- the parts that differ from threads ------------------------------------------------
+        if self._tasks:  # cancelled by the release: let them unwind, then free their held slots
+            yield asyncio.wait(list(self._tasks.values()), timeout=5)
+            yield self._persist
 
     def _start(self, run: _Running) -> None:
-        self._tasks[run.lease.id] = self._loop.create_task(self._execute_task(run))
+        self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
 
     async def _execute_task(self, run: _Running) -> None:
         import asyncio
@@ -4308,21 +4621,19 @@ class AsyncWorker(Worker):
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
             kind, payload = "error", _format_error(exc)
-        self._tasks.pop(run.lease.id, None)
+        self._tasks.pop(run.key, None)
         self._finish(run, kind, payload)
 
-    def _finish(self, run: _Running, kind: str, payload: Any) -> None:
-        super()._finish(run, kind, payload)
+    def _poke(self) -> None:
+        super()._poke()
         if self._awake is not None:
             self._awake.set()
 
-    def _abandon(self, runs: Sequence[_Running], reason: str, outcomes: Callable[[_Running], _Outcome]) -> list[_Running]:
-        written = super()._abandon(runs, reason, outcomes)
-        for run in written:  # written (and fenced) first; then the task really stops
-            task = self._tasks.get(run.lease.id)
+    def _stop_handlers(self, runs: Sequence[_Running]) -> None:
+        for run in runs:  # written (and fenced) first; then the task really stops
+            task = self._tasks.get(run.key)
             if task is not None:
                 task.cancel()
-        return written
 
     async def _heartbeats(self, stop: threading.Event) -> None:
         import asyncio
@@ -4330,33 +4641,10 @@ class AsyncWorker(Worker):
         while not stop.is_set():
             await asyncio.sleep(self.heartbeat_interval)
             await self._bridge(self._beat)
-            for job_id, task in list(self._tasks.items()):
-                run = self._running.get(job_id)
+            for key, task in list(self._tasks.items()):
+                run = self._running.get(key)
                 if run is not None and run.ctx.stop_reason in ("lease_lost", "cancelled"):
                     task.cancel()
-
-    async def _gather_async(self) -> None:
-        deadline = time.monotonic() + self.finalize_delay
-        while self._finished and self._busy and not self._stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            await self._nap(left)
-
-    async def _drain_async(self, grace: float) -> None:
-        import asyncio
-
-        deadline = time.monotonic() + grace
-        while True:
-            await self._bridge(self._persist)
-            pending = self._pending()
-            if not pending or time.monotonic() >= deadline:
-                break
-            await self._nap(0.05)
-        await self._bridge(self._release_pending, pending)
-        if self._tasks:  # cancelled above: let them unwind, then free their held slots
-            await asyncio.wait(list(self._tasks.values()), timeout=5)
-            await self._bridge(self._persist)
 
 
 class _AioNamespace:
