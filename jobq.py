@@ -51,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncWorker",
     "Base",
+    "ClaimedId",
     "ConfigError",
     "EVENT_ACTIONS",
     "Event",
@@ -1775,10 +1776,16 @@ def _check_waits_for(waits: Mapping[Any, Sequence[Any]], starts: Iterable[Any]) 
 
 #: Largest encoded args or result, in bytes (below MySQL's default max_allowed_packet).
 MAX_JSON_BYTES = 1 << 20
-#: Deepest nesting accepted in args or results (MariaDB's JSON functions stop at 32).
-MAX_JSON_DEPTH = 32
+#: Most arrays/objects nested inside one another in args or results, the same on every engine:
+#: what the strictest one stores. MariaDB's ``CHECK (json_valid(...))`` refuses 32 nested
+#: containers, empty or not and whatever is inside (measured on 10.11: 31 pass); Oracle MySQL
+#: allows 100, PostgreSQL and SQLite more. ``{"a": 1}`` has depth 1, a scalar 0.
+MAX_JSON_DEPTH = 31
 #: Longest type, group or worker name.
 MAX_NAME_LENGTH = 200
+#: Longest ``run_after`` timedelta (either way) and ``prune`` age: far beyond any real use,
+#: short enough that the database's now plus or minus it cannot overflow a datetime.
+MAX_TIMEDELTA = _dt.timedelta(days=1000 * 366)
 
 _INT64 = 1 << 63
 _MIN_TIME = _dt.datetime(1970, 1, 2)
@@ -1786,15 +1793,14 @@ _MAX_TIME = _dt.datetime(9999, 12, 30)
 
 
 def _check_json(value: Any, where: str, depth: int = 0) -> Any:
-    """Validate and normalise a JSON value (tuples become lists); raise InvalidJob otherwise."""
-    if depth > MAX_JSON_DEPTH:
-        raise InvalidJob(f"{where}: nested deeper than MAX_JSON_DEPTH={MAX_JSON_DEPTH}")
+    """Validate and normalise a JSON value (tuples become lists, int subclasses plain ints);
+    raise InvalidJob otherwise. ``depth`` counts the containers around ``value``."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if not -_INT64 <= value < _INT64:
             raise InvalidJob(f"{where}: integer {value} does not fit in 64 bits")
-        return value
+        return int(value)  # an IntEnum or a ClaimedId is stored as the number it is
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidJob(f"{where}: {value!r} is not valid JSON (NaN and Infinity are rejected)")
@@ -1807,6 +1813,8 @@ def _check_json(value: Any, where: str, depth: int = 0) -> Any:
         except UnicodeEncodeError:
             raise InvalidJob(f"{where}: string holds a lone surrogate, which is not valid UTF-8") from None
         return value
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_JSON_DEPTH:
+        raise InvalidJob(f"{where}: more than MAX_JSON_DEPTH={MAX_JSON_DEPTH} arrays/objects nested in one another")
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -1828,10 +1836,18 @@ def _encode_checked(value: Any, where: str) -> Any:
 
 
 def _check_name(value: Any, what: str) -> str:
+    """Type, group, queue and worker names. Compared exactly on every engine only because
+    what MySQL/MariaDB's PAD SPACE collation would equate ('a' = 'a ') is refused everywhere:
+    leading/trailing whitespace, and control characters (invisible in logs and the CLI)."""
     if not isinstance(value, str) or not value:
         raise InvalidJob(f"{what} must be a non-empty string, got {value!r}")
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidJob(f"{what} is {len(value)} characters long; the limit is {MAX_NAME_LENGTH}")
+    if value != value.strip():
+        raise InvalidJob(f"{what} {value!r} starts or ends with whitespace")
+    bad = next((ch for ch in value if ch < "\x20" or "\x7f" <= ch <= "\x9f"), None)  # Unicode's Cc
+    if bad is not None:
+        raise InvalidJob(f"{what} {value!r} holds the control character {bad!r}")
     _check_json(value, what)
     return value
 
@@ -1841,7 +1857,7 @@ def _check_int(value: Any, what: str, lo: int, hi: int, exc: type[JobqError] = I
         raise exc(f"{what} must be an int, got {type(value).__name__} {value!r}")
     if not lo <= value <= hi:
         raise exc(f"{what} must be between {lo} and {hi}, got {value}")
-    return value
+    return int(value)
 
 
 def _check_seconds(value: Any, what: str, exc: type[JobqError] = InvalidJob, *, optional: bool = True) -> float | None:
@@ -1854,6 +1870,32 @@ def _check_seconds(value: Any, what: str, exc: type[JobqError] = InvalidJob, *, 
     return float(value)
 
 
+def _check_timedelta(value: Any, what: str, exc: type[JobqError] = InvalidJob, *, negative: bool = True) -> _dt.timedelta:
+    """A timedelta within MAX_TIMEDELTA (and >= 0 unless ``negative``), so that adding it to or
+    subtracting it from the database's now cannot overflow."""
+    if not isinstance(value, _dt.timedelta):
+        raise exc(f"{what} must be a datetime.timedelta, got {value!r}")
+    if not (-MAX_TIMEDELTA if negative else _dt.timedelta(0)) <= value <= MAX_TIMEDELTA:
+        bound = f"-{MAX_TIMEDELTA.days} .. " if negative else "0 .. "
+        raise exc(f"{what} must be within {bound}{MAX_TIMEDELTA.days} days, got {value!r}")
+    return value
+
+
+def _check_run_after(value: Any, what: str) -> _dt.datetime | _dt.timedelta | None:
+    """``run_after`` as given (None, a bounded timedelta, or an aware datetime in range)."""
+    if value is None:
+        return None
+    if isinstance(value, _dt.timedelta):
+        return _check_timedelta(value, what)
+    _to_db_time(value, what)
+    return value
+
+
+def _check_age(value: Any, what: str) -> _dt.timedelta:
+    """An age such as prune's ``older_than``: a timedelta in 0 .. MAX_TIMEDELTA (ConfigError)."""
+    return _check_timedelta(value, what, ConfigError, negative=False)
+
+
 def _utcnow() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc).replace(tzinfo=None)
 
@@ -1864,16 +1906,29 @@ def _to_db_time(value: _dt.datetime, what: str) -> _dt.datetime:
         raise InvalidJob(f"{what} must be a timezone-aware datetime or a timedelta, got {value!r}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidJob(f"{what} is a naive datetime; pass an aware one (e.g. tzinfo=datetime.timezone.utc)")
-    out = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
-    if not _MIN_TIME <= out <= _MAX_TIME:
-        raise InvalidJob(f"{what} {value.isoformat()} is outside 1970-01-02 .. 9999-12-30")
+    try:
+        out = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+    except OverflowError:  # e.g. 0001-01-01 at +05:00 is before year 1 in UTC
+        out = None
+    if out is None or not _MIN_TIME <= out <= _MAX_TIME:
+        raise InvalidJob(f"{what} {value.isoformat()} is outside 1970-01-02 .. 9999-12-30 (UTC)")
     return out
 
 
 def _as_id(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidJob(f"{what} must be a positive int job id, got {value!r}")
-    return value
+    """A job id: an int in 1 .. 2**63 - 1 (what a BIGINT holds), returned as a plain int.
+    InvalidJob otherwise; get() turns that into None (no such job can exist)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < _INT64:
+        raise InvalidJob(f"{what} must be a positive int job id below 2**63, got {value!r}")
+    return int(value)
+
+
+def _dispatch_of(job_id: Any, token: str | None) -> tuple[int, str | None]:
+    """(id, token) of the dispatch a seed-level call reports on: an explicit token wins, else
+    the one a :class:`ClaimedId` carries (else None: fenced by worker_id alone)."""
+    if token is None:
+        token = getattr(job_id, "token", None)
+    return _as_id(job_id, "job_id"), token
 
 
 # =============================================================================================
@@ -1986,9 +2041,11 @@ def _check_parent(value: Any, keys: bool) -> int | str | None:
     return _as_id(value, "parent")
 
 
-def _check_run_after(value: Any, keys: bool) -> _dt.datetime | _dt.timedelta | None:
-    if value is None or isinstance(value, _dt.timedelta):
-        return value  # type: ignore[no-any-return]
+def _spec_run_after(value: Any, keys: bool) -> _dt.datetime | _dt.timedelta | None:
+    if value is None:
+        return None
+    if isinstance(value, _dt.timedelta):
+        return _check_timedelta(value, "run_after")
     return _to_db_time(value, "run_after")
 
 
@@ -2019,7 +2076,7 @@ class _JobSpec:
     parent: int | str | None = _field(None, _check_parent, "parent_id",
                                       lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
     container: bool = _field(False, lambda v, keys: bool(v), "is_container")
-    run_after: _dt.datetime | _dt.timedelta | None = _field(None, _check_run_after, "run_after", _run_after_row)
+    run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
     max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
 
@@ -2643,16 +2700,39 @@ def claim_batch(
     return _transaction(engine, run, immediate=True)
 
 
-def claim(engine: Engine, worker_id: str, ttl: float, *, types: Iterable[str] | None = None, now: _dt.datetime | None = None) -> int | None:
+class ClaimedId(int):
+    """What :func:`claim` returns: the job id, an ``int`` usable wherever an id is, that also
+    carries this dispatch's :class:`Lease` (``.lease``, ``.token``). :func:`finalize`,
+    :func:`fail`, :func:`release` and :func:`heartbeat` given it without a ``token`` are
+    fenced by its token: per dispatch, so a result from an earlier claim of the same job by
+    the same worker is refused. Arithmetic on it gives plain ints; it is stored as its number."""
+
+    lease: Lease
+
+    def __new__(cls, lease: Lease) -> ClaimedId:
+        self = super().__new__(cls, lease.id)
+        self.lease = lease
+        return self
+
+    def __getnewargs__(self) -> tuple[Lease]:  # type: ignore[override]  # pickle and copy
+        return (self.lease,)
+
+    @property
+    def token(self) -> str:
+        return self.lease.token
+
+
+def claim(engine: Engine, worker_id: str, ttl: float, *, types: Iterable[str] | None = None, now: _dt.datetime | None = None) -> ClaimedId | None:
     """Lease one runnable job and return its id (None when nothing is runnable).
 
     The seed-level building block: one atomic transaction per dialect (``FOR NO KEY UPDATE SKIP
     LOCKED`` on PostgreSQL, ``FOR UPDATE SKIP LOCKED`` at READ COMMITTED on MySQL/MariaDB,
-    ``BEGIN IMMEDIATE`` on SQLite). Finish the job with ``finalize(engine, id, result,
-    worker_id=worker_id)``. Use :func:`claim_batch` for the lease token and caps.
+    ``BEGIN IMMEDIATE`` on SQLite). The id is a :class:`ClaimedId` carrying the lease: finish
+    the job with ``finalize(engine, id, result, worker_id=worker_id)`` and the write is fenced
+    by this claim's token. Use :func:`claim_batch` for several jobs and for caps.
     """
     leases = claim_batch(engine, worker_id, ttl, limit=1, types=types, now=now)
-    return leases[0].id if leases else None
+    return ClaimedId(leases[0]) if leases else None
 
 
 # ---- heartbeat --------------------------------------------------------------------------------
@@ -2674,8 +2754,9 @@ def _heartbeat_rows(conn: Connection, leases: Sequence[Lease], ttl: float, now: 
     return held, cancel
 
 
-def heartbeat(engine: Engine, lease: Lease, ttl: float, *, now: _dt.datetime | None = None) -> _dt.datetime:
-    """Extend a lease by ``ttl`` seconds from now; return the new expiry.
+def heartbeat(engine: Engine, lease: Lease | ClaimedId, ttl: float, *, now: _dt.datetime | None = None) -> _dt.datetime:
+    """Extend a lease (a :class:`Lease`, or the :class:`ClaimedId` from :func:`claim`) by
+    ``ttl`` seconds from now; return the new expiry.
 
     Raises:
         LeaseLost: the lease expired and was reclaimed (or the job was released or finished);
@@ -2683,6 +2764,7 @@ def heartbeat(engine: Engine, lease: Lease, ttl: float, *, now: _dt.datetime | N
     """
     ttl_ = _check_seconds(ttl, "ttl", ConfigError, optional=False)
     assert ttl_ is not None
+    lease = lease.lease if isinstance(lease, ClaimedId) else lease
 
     def run(conn: Connection, d: _Dialect) -> _dt.datetime:
         t = now or d.db_now(conn)
@@ -2764,13 +2846,15 @@ def finalize(
     """Mark a leased job done with ``result``, atomically and only if this dispatch holds the lease.
 
     The result, ``state='done'``, clearing the lease, container rollup and releasing dependents
-    are one transaction. Pass the lease ``token`` (from :func:`claim_batch`) to fence per
-    dispatch; without it the fence is the ``worker_id``.
+    are one transaction, fenced per dispatch by the lease token: ``token`` (from
+    :func:`claim_batch`), else the one the :class:`ClaimedId` from :func:`claim` carries;
+    only for a plain int id without a token is the fence the ``worker_id`` alone.
 
     Raises:
         LeaseLost: the lease is no longer held by this dispatch; nothing was written.
         InvalidJob: ``result`` is not a JSON object.
     """
+    job_id, token = _dispatch_of(job_id, token)
     if result is not None and not isinstance(result, dict):
         raise InvalidJob(f"result must be a dict or None, got {_type_name(result)}")
     value = _encode_checked(result, "result")
@@ -2797,6 +2881,7 @@ def fail(
     Raises:
         LeaseLost: the lease is no longer held by this dispatch; nothing was written.
     """
+    job_id, token = _dispatch_of(job_id, token)  # fenced as finalize is
 
     def run(conn: Connection, d: _Dialect) -> str:
         t = now or d.db_now(conn)
@@ -2817,6 +2902,7 @@ def release(engine: Engine, job_id: int, *, worker_id: str, token: str | None = 
     Raises:
         LeaseLost: the lease is no longer held by this dispatch.
     """
+    job_id, token = _dispatch_of(job_id, token)  # fenced as finalize is
 
     def run(conn: Connection, d: _Dialect) -> None:
         out = _Outcome(job_id, worker_id, token, "release")
