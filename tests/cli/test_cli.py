@@ -50,7 +50,7 @@ def test_every_subcommand_on_a_small_pipeline(db_url: str, capsys: pytest.Captur
     box = int(cli(db_url, "enqueue", "box", "--container", capsys=capsys)[1])
     kid = int(cli(db_url, "enqueue", "work", "--parent", str(box), "--depends-on", str(fetch), capsys=capsys)[1])
     code, out, _ = cli(db_url, "why", str(kid), capsys=capsys)
-    assert code == 0 and f"waiting on 1 upstream job(s): {fetch} (ready)" in out
+    assert code == 0 and f"waiting on 1 upstream job(s): {fetch} (ready)" in out, _
     code, out, _ = cli(db_url, "why", str(fetch), capsys=capsys)
     assert "is ready, due " in out and "no worker is running jobs" in out
     code, out, _ = cli(db_url, "status", capsys=capsys)
