@@ -626,6 +626,132 @@ def _q_starts_since(since: _dt.datetime, groups: Sequence[str] | None) -> sa.Sel
     )
 
 
+# ---- builders for get, why, stats and the command line
+
+
+def _q_job(job_id: int) -> sa.Select[Any]:
+    """Every column of one job (get, why)."""
+    return sa.select(_jobs).where(_c.id == job_id)
+
+
+def _q_job_state(job_id: int) -> sa.Select[Any]:
+    return sa.select(_c.state).where(_c.id == job_id)
+
+
+def _q_upstream_ids(job_id: int) -> sa.Select[Any]:
+    return sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id).order_by(_deps.c.depends_on_id)
+
+
+def _q_dependent_ids(job_id: int) -> sa.Select[Any]:
+    return sa.select(_deps.c.job_id).where(_deps.c.depends_on_id == job_id).order_by(_deps.c.job_id)
+
+
+def _q_child_ids(job_id: int) -> sa.Select[Any]:
+    return sa.select(_c.id).where(_c.parent_id == job_id).order_by(_c.id)
+
+
+def _q_unfinished_upstreams(job_id: int) -> sa.Select[Any]:
+    """The upstreams of ``job_id`` that are not done yet, with their states (why)."""
+    ups = sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id).scalar_subquery()
+    return sa.select(_c.id, _c.state).where(_c.id.in_(ups), _c.state != "done").order_by(_c.id)
+
+
+def _q_holders() -> sa.Select[Any]:
+    """In-flight jobs per worker and group (why: who holds the slots)."""
+    return (sa.select(_c.lease_owner, _c.group_key, sa.func.count())
+            .where(_c.in_flight == _TRUE).group_by(_c.lease_owner, _c.group_key))
+
+
+def _q_ahead_in_group(group: str, run_after: _dt.datetime, job_id: int, now: _dt.datetime) -> sa.Select[Any]:
+    """How many due jobs of ``group`` a claim takes before this one (oldest due first, as the claim)."""
+    return sa.select(sa.func.count()).where(
+        _state_is("ready"), _c.group_key == group, _c.run_after <= now,
+        sa.or_(_c.run_after < run_after, sa.and_(_c.run_after == run_after, _c.id < job_id)))
+
+
+def _q_ready_by_group(now: _dt.datetime) -> sa.Select[Any]:
+    """Per group: ready jobs, and how many of them are due at ``now`` (the rest are scheduled)."""
+    due = sa.func.sum(sa.case((_c.run_after <= now, 1), else_=0))
+    return sa.select(_c.group_key, sa.func.count(), due).where(_state_is("ready")).group_by(_c.group_key)
+
+
+def _q_ready_times(now: _dt.datetime) -> sa.Select[Any]:
+    """The ``run_after`` of the oldest due ready job and of the next scheduled one."""
+    return sa.select(
+        sa.func.min(sa.case((_c.run_after <= now, _c.run_after)), type_=_TS),
+        sa.func.min(sa.case((_c.run_after > now, _c.run_after)), type_=_TS),
+    ).where(_state_is("ready"))
+
+
+def _q_waiting_count() -> sa.Select[Any]:
+    return sa.select(sa.func.count()).where(_state_is("waiting"))
+
+
+def _q_in_flight_by_state() -> sa.Select[Any]:
+    return sa.select(_c.state, sa.func.count()).where(_c.in_flight == _TRUE).group_by(_c.state)
+
+
+def _q_finished_by_state(since: _dt.datetime) -> sa.Select[Any]:
+    return sa.select(_c.state, sa.func.count()).where(_state_is(*TERMINAL), _c.finished_at >= since).group_by(_c.state)
+
+
+def _q_expired_count(now: _dt.datetime) -> sa.Select[Any]:
+    return sa.select(sa.func.count()).where(_c.in_flight == _TRUE, _c.lease_expires < now)
+
+
+def _q_recent_failures(since: _dt.datetime, limit: int = 5) -> sa.Select[Any]:
+    # both state terms: the first is ix_jobs_finished's predicate, spelled as the index spells it
+    return (sa.select(_c.id, _c.type, _c.error, _c.finished_at)
+            .where(_state_is(*TERMINAL), _state_is("failed"), _c.finished_at >= since)
+            .order_by(_c.finished_at.desc()).limit(limit))
+
+
+def _q_count_by_state() -> sa.Select[Any]:
+    """Every job per state: a full scan (stats(totals=True) only)."""
+    return sa.select(_c.state, sa.func.count()).group_by(_c.state)
+
+
+def _q_schema_version() -> sa.Select[Any]:
+    return sa.select(_meta.c.value).where(_meta.c.key == "schema_version")
+
+
+def _q_list_jobs(*, state: str | None, type: str | None, group: str | None, since: _dt.datetime | None,
+                 limit: int) -> sa.Select[Any]:
+    """`jobq ls`: the newest jobs first, filtered."""
+    stmt = sa.select(_c.id, _c.type, _c.state, _c.group_key, _c.attempts, _c.max_attempts, _c.run_after,
+                     _c.created_at, _c.finished_at)
+    if state is not None:
+        stmt = stmt.where(_c.state == state)
+    if type is not None:
+        stmt = stmt.where(_c.type == type)
+    if group is not None:
+        stmt = stmt.where(_c.group_key == group)
+    if since is not None:
+        stmt = stmt.where(_c.created_at >= since)
+    return stmt.order_by(_c.id.desc()).limit(limit)
+
+
+def _q_newest_ids(limit: int) -> sa.Select[Any]:
+    return sa.select(_c.id).order_by(_c.id.desc()).limit(limit)
+
+
+def _q_graph_nodes(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_c.id, _c.type, _c.state, _c.parent_id, _c.is_container).where(_c.id.in_(list(ids)))
+
+
+def _q_upstreams_of(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_deps.c.depends_on_id).where(_deps.c.job_id.in_(list(ids)))
+
+
+def _q_dependents_of(ids: Sequence[int]) -> sa.Select[Any]:
+    return sa.select(_deps.c.job_id).where(_deps.c.depends_on_id.in_(list(ids)))
+
+
+def _q_edges_into(ids: Sequence[int]) -> sa.Select[Any]:
+    """The edges (job_id, depends_on_id) whose dependent is one of ``ids``."""
+    return sa.select(_deps.c.job_id, _deps.c.depends_on_id).where(_deps.c.job_id.in_(list(ids)))
+
+
 _Q_SLOTS_IN_USE = sa.union_all(_Q_IN_FLIGHT_BY_GROUP, _Q_HELD_SLOTS_BY_GROUP)  # one round trip
 
 
@@ -1938,7 +2064,12 @@ def _dispatch_of(job_id: Any, token: str | None) -> tuple[int, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class JobInfo:
-    """A read-only snapshot of one job, as returned by :func:`get`."""
+    """A read-only snapshot of one job, as returned by :func:`get`.
+
+    Its datetimes (``run_after``, ``created_at``, ``updated_at``, ``started_at``,
+    ``finished_at``, ``lease_expires``, ``heartbeat_at``) are aware, in UTC, so they compare with
+    ``datetime.now(timezone.utc)`` and can be passed back as ``run_after``.
+    """
 
     id: int
     type: str
@@ -1966,6 +2097,10 @@ class JobInfo:
     cancel_requested: bool
     pending_deps: int
     pending_children: int
+
+
+_JOBINFO_COLUMNS = tuple(f.name for f in dataclasses.fields(JobInfo) if f.name != "depends_on")
+_JOBINFO_TIMES = ("run_after", "created_at", "updated_at", "started_at", "finished_at", "lease_expires", "heartbeat_at")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2469,15 +2604,21 @@ def get(engine: Engine | Connection | orm.Session, job_id: int) -> JobInfo | Non
     Args:
         engine: an Engine, Connection or Session.
         job_id: the job's id.
+
+    Returns:
+        A :class:`JobInfo` whose datetimes are aware, in UTC; or None.
     """
 
     def read(conn: Connection) -> JobInfo | None:
-        row = conn.execute(sa.select(_jobs).where(_c.id == job_id)).mappings().first()
+        row = conn.execute(_q_job(job_id)).mappings().first()
         if row is None:
             return None
-        deps = tuple(conn.execute(sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id).order_by(_deps.c.depends_on_id)).scalars())
-        fields = {f.name for f in dataclasses.fields(JobInfo)}
-        return JobInfo(depends_on=deps, **{k: v for k, v in row.items() if k in fields and k != "depends_on"})
+        deps = tuple(conn.execute(_q_upstream_ids(job_id)).scalars())
+        values = {k: row[k] for k in _JOBINFO_COLUMNS}
+        for k in _JOBINFO_TIMES:  # stored naive UTC (every engine alike); handed out aware
+            if values[k] is not None:
+                values[k] = values[k].replace(tzinfo=_dt.timezone.utc)
+        return JobInfo(depends_on=deps, **values)
 
     if isinstance(engine, Engine):
         _prepare(engine)
@@ -3273,69 +3414,82 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
 # ---- why --------------------------------------------------------------------------------------
 
 
+def _iso(value: _dt.datetime | None, *, precise: bool = False) -> str | None:
+    """ISO 8601 UTC with a ``Z``, the one way jobq prints a time: to the second for people,
+    to the microsecond (``precise``) for JSON. Naive values are UTC (as stored)."""
+    if value is None:
+        return None
+    if value.tzinfo is not None:
+        value = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+    return value.isoformat(timespec="microseconds" if precise else "seconds") + "Z"
+
+
+def _span(seconds: float) -> str:
+    """A non-negative duration for people: 7s, 5m03s, 3h20m, 2d04h."""
+    s = int(round(seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 172800:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
     """One line a person understands: why this job is not running right now (or what it did).
 
     Covers: finished (and how), leased/running (by whom, until when), waiting on upstreams
     (which, in what state), waiting on an enclosing container's upstreams, a container's
-    unfinished children, run_after in the future (backing off or scheduled), and ready jobs
-    held back by the slots in use or a cancel request. Caps and fair-share turns live in the
-    workers' options, so for a ready job it reports what the queue knows: how many jobs are in
-    flight, in its group and overall, and by which workers.
+    unfinished children, scheduled for later (backing off, or a ``run_after`` in the future),
+    and due jobs waiting for a worker: caps and fair-share turns live in the workers' options,
+    so it reports what the queue knows: the due jobs ahead of it in its group, how many jobs
+    are in flight, in its group and overall, and by which workers. Times are ISO 8601 UTC.
     """
-    _prepare(engine)
+    d = _prepare(engine)
     with engine.connect() as conn:
-        d = _prepare(engine)
         t = now or d.db_now(conn)
-        r = conn.execute(sa.select(_jobs).where(_c.id == job_id)).first()
+        r = conn.execute(_q_job(job_id)).first()
         if r is None:
             return f"job {job_id}: no such job"
         head = f"job {job_id} ({r.type}, group {r.group_key})"
         if r.state == "done":
-            return f"{head} is done (finished {r.finished_at:%Y-%m-%d %H:%M:%S} UTC after {r.attempts} attempt(s))"
+            return f"{head} is done: finished {_iso(r.finished_at)} after {r.attempts} attempt(s)"
         if r.state in ("failed", "cancelled"):
             return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id})"
         if r.state in _LIVE:
             left = (r.lease_expires - t).total_seconds() if r.lease_expires else 0.0
             ask = "; cancel requested" if r.cancel_requested else ""
             if left < 0:
-                return f"{head} is {r.state} by {r.lease_owner} but its lease expired {-left:.0f}s ago: the next claim reclaims it{ask}"
-            return f"{head} is {r.state} (attempt {r.attempts}/{r.max_attempts}) by {r.lease_owner}, lease good for {left:.0f}s{ask}"
+                return (f"{head} is {r.state} by {r.lease_owner} but its lease expired {_span(-left)} ago: "
+                        f"the next claim reclaims it{ask}")
+            return f"{head} is {r.state} (attempt {r.attempts}/{r.max_attempts}) by {r.lease_owner}, lease good for {_span(left)}{ask}"
         if r.state == "waiting":
-            ups = conn.execute(
-                sa.select(_c.id, _c.state).where(_c.id.in_(sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id)
-                                                           .scalar_subquery()), _c.state != "done").order_by(_c.id)
-            ).all()
+            ups = conn.execute(_q_unfinished_upstreams(job_id)).all()
             if ups:
                 listed = ", ".join(f"{u.id} ({u.state})" for u in ups[:5]) + (f" and {len(ups) - 5} more" if len(ups) > 5 else "")
                 return f"{head} is waiting on {len(ups)} upstream job(s): {listed}"
             for a in _ancestors(conn, r.parent_id):
-                aups = conn.execute(
-                    sa.select(_c.id, _c.state).where(_c.id.in_(sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == a)
-                                                               .scalar_subquery()), _c.state != "done").order_by(_c.id)
-                ).all()
+                aups = conn.execute(_q_unfinished_upstreams(a)).all()
                 if aups:
                     return f"{head} is waiting: its container {a} waits on upstream job(s) " + ", ".join(
                         f"{u.id} ({u.state})" for u in aups[:5])
             if r.is_container:
                 return f"{head} is a container with {r.pending_children} unfinished child job(s); it rolls up when they finish"
             return f"{head} is waiting, but nothing it waits for is unfinished (pending count {r.pending_deps}): report this"
-        # ready
+        # ready: scheduled for later, or due and waiting for a worker
         if r.run_after > t:
-            secs = (r.run_after - t).total_seconds()
-            why_later = f"backing off after attempt {r.attempts}: {_one_line(r.error or '')}" if r.attempts else "scheduled"
-            return f"{head} is ready but not due for {secs:.0f}s ({why_later})"
-        holders = conn.execute(
-            sa.select(_c.lease_owner, _c.group_key, sa.func.count()).where(_c.in_flight == _TRUE).group_by(_c.lease_owner, _c.group_key)
-        ).all()
+            when = f"{head} is scheduled, runs in {_span((r.run_after - t).total_seconds())} (at {_iso(r.run_after)})"
+            if r.attempts:
+                return f"{when}: backing off after attempt {r.attempts}: {_one_line(r.error or '')}"
+            return when
+        holders = conn.execute(_q_holders()).all()
         total = sum(n for _, _, n in holders)
         mine = sum(n for _, g, n in holders if g == r.group_key)
-        ahead = conn.execute(sa.select(sa.func.count()).where(
-            _state_is("ready"), _c.group_key == r.group_key, _c.run_after <= t,
-            sa.or_(_c.run_after < r.run_after, sa.and_(_c.run_after == r.run_after, _c.id < r.id)))).scalar_one()
+        ahead = conn.execute(_q_ahead_in_group(r.group_key, r.run_after, r.id, t)).scalar_one()
         owners = sorted({o for o, _, _ in holders if o})
-        waited = (t - r.run_after).total_seconds()
-        return (f"{head} is ready, due for {waited:.0f}s, {ahead} older job(s) ahead of it in its group; "
+        return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker: "
+                f"{ahead} older due job(s) ahead of it in its group; "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
                    ": no worker is running jobs; is a worker with a handler for this type up?"))
@@ -3405,40 +3559,43 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
 
     Returns:
         A dict: ``states`` (waiting/ready/leased/running: exact now; done/failed/cancelled:
-        finished within ``window``), ``window_seconds``, ``ready_by_group``, ``in_flight``
-        (per group, including slots held by abandoned handlers), ``oldest_ready`` (the
-        ``run_after`` of the longest-waiting ready job, naive UTC, or None),
-        ``expired_leases`` (awaiting reclaim), ``recent_failures`` (up to 5: id, type,
-        error, finished_at), ``now`` (the database clock), and ``totals`` if asked for.
+        finished within ``window``), ``window_seconds``, ``ready_by_group`` (every ready job),
+        ``ready_due`` and ``ready_scheduled`` (the ready jobs whose ``run_after`` has passed,
+        and those scheduled for later: backing off, or enqueued with a future ``run_after``),
+        ``due_by_group``, ``in_flight`` (per group, including slots held by abandoned
+        handlers), ``oldest_ready`` (the ``run_after`` of the longest-waiting due job, or
+        None), ``next_scheduled`` (the earliest ``run_after`` of a scheduled job, or None),
+        ``expired_leases`` (awaiting reclaim), ``recent_failures`` (up to 5: id, type, error,
+        finished_at), ``now`` (the database clock), and ``totals`` if asked for. Times are
+        naive UTC, as stored.
     """
     d = _prepare(engine)
     with engine.connect() as conn:
         now = d.db_now(conn)
         since = now - window
         live = {s: 0 for s in STATES}
-        ready_by_group = {g: n for g, n in conn.execute(
-            sa.select(_c.group_key, sa.func.count()).where(_state_is("ready")).group_by(_c.group_key))}
+        ready_by_group: dict[str, int] = {}
+        due_by_group: dict[str, int] = {}
+        for g, n, due in conn.execute(_q_ready_by_group(now)):
+            ready_by_group[g] = int(n)
+            due_by_group[g] = int(due or 0)  # MySQL sums to a Decimal
         live["ready"] = sum(ready_by_group.values())
-        live["waiting"] = conn.execute(sa.select(sa.func.count()).where(_state_is("waiting"))).scalar_one()
-        for st, n in conn.execute(sa.select(_c.state, sa.func.count()).where(_c.in_flight == _TRUE).group_by(_c.state)):
+        live["waiting"] = conn.execute(_q_waiting_count()).scalar_one()
+        for st, n in conn.execute(_q_in_flight_by_state()):
             live[st] = n
-        for st, n in conn.execute(sa.select(_c.state, sa.func.count())
-                                  .where(_state_is(*TERMINAL), _c.finished_at >= since).group_by(_c.state)):
+        for st, n in conn.execute(_q_finished_by_state(since)):
             live[st] = n
-        oldest = conn.execute(sa.select(sa.func.min(_c.run_after)).where(_state_is("ready"))).scalar()
-        expired = conn.execute(sa.select(sa.func.count()).where(_c.in_flight == _TRUE, _c.lease_expires < now)).scalar_one()
-        recent = [dict(r._mapping) for r in conn.execute(
-            sa.select(_c.id, _c.type, _c.error, _c.finished_at)
-            .where(_state_is(*TERMINAL), _state_is("failed"), _c.finished_at >= since)
-            .order_by(_c.finished_at.desc()).limit(5))]
+        oldest, upcoming = conn.execute(_q_ready_times(now)).one()
+        due_total = sum(due_by_group.values())
         out: dict[str, Any] = {
             "states": live, "window_seconds": window.total_seconds(), "ready_by_group": ready_by_group,
-            "in_flight": _in_flight_counts(conn, now), "oldest_ready": oldest, "expired_leases": expired,
-            "recent_failures": recent, "now": now,
+            "ready_due": due_total, "ready_scheduled": live["ready"] - due_total, "due_by_group": due_by_group,
+            "in_flight": _in_flight_counts(conn, now), "oldest_ready": oldest, "next_scheduled": upcoming,
+            "expired_leases": conn.execute(_q_expired_count(now)).scalar_one(),
+            "recent_failures": [dict(r._mapping) for r in conn.execute(_q_recent_failures(since))], "now": now,
         }
         if totals:
-            out["totals"] = {s: 0 for s in STATES} | {
-                st: n for st, n in conn.execute(sa.select(_c.state, sa.func.count()).group_by(_c.state))}
+            out["totals"] = {s: 0 for s in STATES} | {st: n for st, n in conn.execute(_q_count_by_state())}
         conn.rollback()
     return out
 
@@ -4756,6 +4913,27 @@ aio = _AioNamespace()
 # =============================================================================================
 # Command-line interface
 # =============================================================================================
+# One rule for exit codes (keep in sync with main's docstring and the README): 0 ok, 1 the job
+# named by the command's ID does not exist, 2 bad usage or input (options, the URL, --app),
+# 3 the database: unreachable, failing, missing, or without jobq's schema, 4 a bug in jobq.
+# Every error is one line on stderr, scrubbed of the URL's credentials.
+
+_EXIT_NO_SUCH_JOB, _EXIT_USAGE, _EXIT_DATABASE, _EXIT_INTERNAL = 1, 2, 3, 4
+
+
+class _CliError(Exception):
+    """An error the command reports as one line, with its exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (it prints the whole usage, then the error)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(_EXIT_USAGE, f"jobq: {message} (see: {self.prog} --help)\n")
 
 
 def _load_handlers(spec: str) -> Mapping[str, Callable[[JobContext], Any]]:
@@ -4765,36 +4943,253 @@ def _load_handlers(spec: str) -> Mapping[str, Callable[[JobContext], Any]]:
     if not module_name or not attr:
         raise ConfigError(f"--app must look like package.module:handlers, got {spec!r}")
     sys.path.insert(0, os.getcwd())
-    handlers = getattr(importlib.import_module(module_name), attr)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # anything the operator's module raises while it is imported
+        raise ConfigError(f"--app {spec}: cannot import {module_name}: {type(exc).__name__}: {_one_line(exc)}") from None
+    handlers = getattr(module, attr, None)
+    if handlers is None:
+        raise ConfigError(f"--app {spec}: module {module_name} has no attribute {attr!r}")
     if not isinstance(handlers, Mapping):
-        raise ConfigError(f"{spec} is not a mapping of job type -> handler")
+        raise ConfigError(f"--app {spec} is a {_type_name(handlers)}, not a mapping of job type -> handler")
     return handlers
 
 
-def _duration(text: str) -> _dt.timedelta:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# ---- argument types: each refuses bad input with one line, before anything connects
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_MAX_SECONDS = 100 * 366 * 86400  # a century: longer is a typo, and overflows date arithmetic
+
+
+def _seconds(text: str, what: str, *, unit: bool, zero: bool) -> float:
+    """``text`` as seconds: a number with a unit (30s, 15m, 12h, 7d, 2w), or without one
+    (seconds) unless ``unit`` is required."""
+    t = text.strip()
+    factor = 1
+    if t and t[-1] in _UNITS:
+        factor, t = _UNITS[t[-1]], t[:-1]
+    elif unit:
+        t = ""
     try:
-        return _dt.timedelta(seconds=float(text[:-1]) * units[text[-1]])
-    except (KeyError, ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30s, 15m, 12h or 7d") from None
+        value = float(t) * factor
+    except ValueError:
+        value = math.nan
+    example = "30s, 15m, 12h or 7d" if unit else "seconds, or 30s, 15m, 12h, 7d"
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"{what} must be a {'non-negative' if zero else 'positive'} duration "
+                                         f"({example}), got {text!r}")
+    if value > _MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{what} must be at most 100 years, got {text!r}")
+    return value
+
+
+def _duration(text: str) -> _dt.timedelta:
+    return _dt.timedelta(seconds=_seconds(text, "a duration", unit=True, zero=True))
+
+
+def _delay(text: str) -> _dt.timedelta:
+    return _dt.timedelta(seconds=_seconds(text, "--delay", unit=False, zero=True))
+
+
+def _interval(text: str) -> float:
+    return _seconds(text, "an interval", unit=False, zero=False)
+
+
+def _run_after(text: str) -> _dt.datetime:
+    t = text.strip()
+    try:  # Python 3.10's fromisoformat does not read "Z"
+        when = _dt.datetime.fromisoformat(t[:-1] + "+00:00" if t[-1:] in ("Z", "z") else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--run-after must be an ISO 8601 time like 2030-01-31T09:00:00Z, got {text!r}") from None
+    if when.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"--run-after {text!r} has no time zone: add Z (UTC) or an offset like +02:00")
+    try:
+        return when.astimezone(_dt.timezone.utc)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"--run-after {text!r} is out of range") from None
+
+
+def _job_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"a job id is a positive 64-bit integer, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100000, got {text!r}")
+    return value
+
+
+def _cap(text: str) -> tuple[str, int]:
+    group, eq, n = text.rpartition("=")
+    if not eq or not group:
+        raise argparse.ArgumentTypeError(f"--cap must look like GROUP=N, got {text!r}")
+    return group, _count(n)
+
+
+def _rate(text: str) -> tuple[str, tuple[int, float]]:
+    group, eq, spec = text.rpartition("=")
+    n, slash, per = spec.partition("/")
+    if not eq or not group or not slash:
+        raise argparse.ArgumentTypeError(f"--rate must look like GROUP=N/SECONDS (e.g. tenant-a=10/60 or '*=100/1m'), got {text!r}")
+    return group, (_count(n), _seconds(per, "--rate's period", unit=False, zero=False))
+
+
+# ---- credentials: never printed, whatever the URL parser made of them
+
+
+def _url_secrets(raw: str) -> list[str]:
+    """Every piece of the URL's credentials that an error message could contain: the raw
+    userinfo, its user name and password, their fragments around reserved characters (an
+    unescaped ``@`` in a password puts the rest into the host name), decoded and not."""
+    import re
+    import urllib.parse
+
+    rest = raw.partition("://")[2]
+    at = rest.rfind("@")
+    if at <= 0 or rest.startswith("/"):
+        return [raw] if raw else []
+    userinfo = rest[:at]
+    user, _, password = userinfo.partition(":")
+    found = {raw, userinfo, user, password, *re.split(r"[@:/?#\[\]]", userinfo)}
+    found |= {urllib.parse.unquote(s) for s in found}
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: Sequence[str]) -> str:
+    """``text`` without any of ``secrets``. Pieces shorter than 4 characters only where they
+    stand alone (between non-alphanumerics), so a password "ss" does not garble "address"."""
+    import re
+
+    for s in secrets:
+        if len(s) >= 4:
+            text = text.replace(s, "***")
+        else:
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(s)}(?![A-Za-z0-9])", "***", text)
+    return text
+
+
+class _ScrubbingFormatter(logging.Formatter):
+    """The worker's log lines, scrubbed as errors are (a driver error names the host)."""
+
+    def __init__(self, fmt: str, secrets: Sequence[str]) -> None:
+        super().__init__(fmt)
+        self._secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _scrub(super().format(record), self._secrets)
+
+
+def _engine_for(raw: str) -> Engine:
+    try:
+        url = sa.engine.make_url(raw)
+    except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
+        raise _CliError(f"bad database URL: {_one_line(exc)}", _EXIT_USAGE) from None
+    if url.host and "@" in url.host:  # the parser split an unescaped "@" of the credentials
+        raise _CliError("bad database URL: write an '@' inside the credentials as %40", _EXIT_USAGE)
+    try:
+        return sa.create_engine(url, pool_pre_ping=True)
+    except ImportError as exc:
+        raise _CliError(f"{_one_line(exc)} (install the database driver this URL names)", _EXIT_USAGE) from None
+    except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
+        raise _CliError(f"bad database URL: {_one_line(exc)}", _EXIT_USAGE) from None
+
+
+# ---- checks before a command touches the database
+
+
+def _check_database(engine: Engine, command: str) -> None:
+    """Every command but ``init`` needs an existing database with jobq's current schema; on
+    SQLite, connecting to a mistyped path would create an empty file there."""
+    if command == "init":
+        return
+    url = engine.url
+    path = url.database
+    if (engine.dialect.name == "sqlite" and path and path != ":memory:" and not path.startswith("file:")
+            and "uri" not in url.query and not os.path.exists(path)):
+        raise _CliError(f"no SQLite database at {path}: check the path, or create it with `jobq init`", _EXIT_DATABASE)
+    _prepare(engine)
+    with engine.connect() as conn:
+        inspector = sa.inspect(conn)
+        if not (inspector.has_table("jobs") and inspector.has_table("jobq_meta")):
+            raise _CliError("no jobq schema here: run `jobq init`", _EXIT_DATABASE)
+        found = conn.execute(_q_schema_version()).scalar()
+        conn.rollback()
+    version = int(found) if found is not None and str(found).isdigit() else 0
+    if version < SCHEMA_VERSION:
+        raise _CliError(f"the jobq schema here is version {version}, this jobq needs {SCHEMA_VERSION}: "
+                        "run `jobq init` to upgrade it", _EXIT_DATABASE)
+    if version > SCHEMA_VERSION:
+        raise _CliError(f"the jobq schema here is version {version}, newer than this jobq ({SCHEMA_VERSION}): "
+                        "upgrade jobq.py", _EXIT_DATABASE)
+
+
+def _require_job(engine: Engine, job_id: int) -> str:
+    """The job's state, or exit 1: no such job."""
+    with engine.connect() as conn:
+        state = conn.execute(_q_job_state(job_id)).scalar()
+        conn.rollback()
+    if state is None:
+        raise _CliError(f"no job with id {job_id}", _EXIT_NO_SUCH_JOB)
+    return str(state)
+
+
+# ---- output
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, _dt.datetime):
+        return _iso(value, precise=True)
+    if isinstance(value, tuple | set | frozenset):
+        return list(value)
+    return str(value)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, default=_json_default, sort_keys=True))
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, _dt.datetime):
+        return _iso(value) or ""
+    if isinstance(value, dict | list):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
 
 
 _COLOURS = {"waiting": "#d0d0d0", "ready": "#9ecbff", "leased": "#ffe08a", "running": "#ffd33d",
             "done": "#85e89d", "failed": "#f97583", "cancelled": "#b392f0"}
 
 
-def _graph(conn: Connection, root: int | None, fmt: str, limit: int = 500) -> str:
+def _graph_data(conn: Connection, root: int | None, limit: int = 500) -> tuple[list[Any], list[tuple[int, int]]]:
+    """The nodes (id, type, state, parent_id, is_container) and edges (upstream, dependent) of
+    a job's subtree with its direct upstreams and dependents, or of the newest ``limit`` jobs."""
     if root is None:
-        ids = list(conn.execute(sa.select(_c.id).order_by(_c.id.desc()).limit(limit)).scalars())
+        ids = list(conn.execute(_q_newest_ids(limit)).scalars())
     else:
         ids = _subtree(conn, root)
-        ups = list(conn.execute(sa.select(_deps.c.depends_on_id).where(_deps.c.job_id.in_(ids[:limit]))).scalars())
-        downs = list(conn.execute(sa.select(_deps.c.job_id).where(_deps.c.depends_on_id.in_(ids[:limit]))).scalars())
+        ups = list(conn.execute(_q_upstreams_of(ids[:limit])).scalars())
+        downs = list(conn.execute(_q_dependents_of(ids[:limit])).scalars())
         ids = list(dict.fromkeys(ids + ups + downs))[:limit]
-    rows = conn.execute(sa.select(_c.id, _c.type, _c.state, _c.parent_id, _c.is_container).where(_c.id.in_(ids))).all()
+    rows = sorted(conn.execute(_q_graph_nodes(ids)).all(), key=lambda r: r.id)
     known = {r.id for r in rows}
-    edges = [(u, v) for v, u in conn.execute(sa.select(_deps.c.job_id, _deps.c.depends_on_id).where(_deps.c.job_id.in_(known)))
-             if u in known]
+    edges = sorted((u, v) for v, u in conn.execute(_q_edges_into(sorted(known))) if u in known)
+    return rows, edges
+
+
+def _graph(rows: Sequence[Any], edges: Sequence[tuple[int, int]], fmt: str) -> str:
+    known = {r.id for r in rows}
     kids: dict[int | None, list[Any]] = {}
     for r in rows:
         kids.setdefault(r.parent_id if r.parent_id in known else None, []).append(r)
@@ -4840,173 +5235,262 @@ def _graph(conn: Connection, root: int | None, fmt: str, limit: int = 500) -> st
 
 
 def _table(rows: Sequence[Mapping[str, Any]], cols: Sequence[str]) -> str:
-    text = [[str(r.get(c, "")) if r.get(c) is not None else "" for c in cols] for r in rows]
+    text = [[_text(r.get(c)) for c in cols] for r in rows]
     widths = [max([len(c)] + [len(t[i]) for t in text]) for i, c in enumerate(cols)]
-    out = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths, strict=True))]
-    out += ["  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)) for t in text]
+    out = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    out += ["  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)).rstrip() for t in text]
     return "\n".join(out)
 
 
-def _status_text(engine: Engine) -> str:
-    st = stats(engine)
+def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
-    states = "  ".join(f"{k}={v}" for k, v in st["states"].items() if k not in TERMINAL)
+    states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
+                       for k, v in st["states"].items() if k not in TERMINAL)
     finished = "  ".join(f"{k}={st['states'][k]}" for k in TERMINAL)
-    ready = ", ".join(f"{g}: {n}" for g, n in sorted(st["ready_by_group"].items())) or "none"
+    due = ", ".join(f"{g}: {n}" for g, n in sorted(st["due_by_group"].items()) if n) or "none"
     flight = ", ".join(f"{g}: {n}" for g, n in sorted(st["in_flight"].items())) or "none"
-    age = f"{(st['now'] - st['oldest_ready']).total_seconds():.0f}s" if st["oldest_ready"] else "-"
-    lines = [f"jobs now: {states}", f"finished in the last {window}: {finished}", f"ready per group: {ready}",
-             f"in flight per group: {flight}", f"oldest ready job waiting: {age}",
+    # oldest_ready is the oldest *due* job: its wait is never negative
+    age = _span((st["now"] - st["oldest_ready"]).total_seconds()) if st["oldest_ready"] else "-"
+    later = str(st["ready_scheduled"])
+    if st["next_scheduled"]:
+        later += f", the next in {_span((st['next_scheduled'] - st['now']).total_seconds())} (at {_iso(st['next_scheduled'])})"
+    lines = [f"jobs now: {states}", f"finished in the last {window}: {finished}", f"due per group: {due}",
+             f"in flight per group: {flight}", f"oldest due job waiting: {age}", f"scheduled for later: {later}",
              f"expired leases awaiting reclaim: {st['expired_leases']}"]
     recent = st["recent_failures"]
     lines += ["recent failures:"] + [f"  {r['id']} {r['type']}: {_one_line(r['error'] or '')}" for r in recent] if recent else []
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``jobq`` command for operators. ``jobq --help`` lists the subcommands.
+# ---- the command
 
-    Exit codes: 0 success, 1 no such job / nothing done, 2 bad usage or input, 3 the database
-    could not be reached or used.
-    """
-    parser = argparse.ArgumentParser(prog="jobq", description="Operate a jobq queue (URL from --url or $JOBQ_URL).")
+
+def _parser() -> argparse.ArgumentParser:
+    # --url is accepted before and after the subcommand: the subcommand's copy defaults to
+    # "absent", so it overrides the global one only when given.
+    common = _Parser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help="database URL (default: $JOBQ_URL)")
+    parser = _Parser(prog="jobq", description="Operate a jobq queue (URL from --url or $JOBQ_URL).",
+                     epilog="exit codes: 0 ok, 1 no such job, 2 bad usage or input, 3 database unreachable, "
+                            "failing or without the jobq schema, 4 a bug in jobq")
     parser.add_argument("--url", default=os.environ.get("JOBQ_URL"), help="database URL (default: $JOBQ_URL)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("init", help="create the schema (idempotent)")
-    p = sub.add_parser("enqueue", help="add a job; prints its id")
+    parser.add_argument("--version", action="version", version=f"jobq {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def add(name: str, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text, description=text, parents=[common])
+        p.add_argument("--json", action="store_true", help="print JSON (times as ISO 8601 UTC)")
+        return p
+
+    add("init", "create the schema, or upgrade it (idempotent)")
+    p = add("enqueue", "add a job; prints its id")
     p.add_argument("type")
-    p.add_argument("--args", default="{}", help="a JSON object")
-    p.add_argument("--group", default="default")
+    p.add_argument("--args", default="{}", metavar="JSON", help="the job's arguments: a JSON object")
+    p.add_argument("--group", default="default", help="fair-share group (default: default)")
     p.add_argument("--weight", type=int, default=1)
-    p.add_argument("--after", type=int, action="append", default=[], metavar="ID", help="depends on job ID (repeatable)")
-    p.add_argument("--parent", type=int)
-    p.add_argument("--container", action="store_true")
-    p.add_argument("--max-attempts", type=int, default=3)
-    p = sub.add_parser("status", help="counts per state and group, in flight, oldest ready, expired leases, failures")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh in place every SECONDS")
-    p = sub.add_parser("ls", help="list jobs")
+    p.add_argument("--depends-on", type=_job_id, action="append", default=[], metavar="ID",
+                   help="run only after job ID is done (repeatable)")
+    p.add_argument("--after", type=_job_id, action="append", default=[], help=argparse.SUPPRESS)  # deprecated
+    p.add_argument("--parent", type=_job_id, metavar="ID", help="the container this job belongs to")
+    p.add_argument("--container", action="store_true", help="a container: never runs, rolls up from its children")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--delay", type=_delay, metavar="DURATION", help="not before this long from now (seconds, or 30s, 15m, 2h)")
+    when.add_argument("--run-after", type=_run_after, metavar="TIME", help="not before this time (ISO 8601 with a zone, e.g. 2030-01-31T09:00:00Z)")
+    p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run (default: the worker's)")
+    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="dispatches before it fails (default: 3)")
+    p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")
+    p.add_argument("--watch", type=_interval, metavar="SECONDS", help="refresh in place every SECONDS")
+    p = add("ls", "list jobs, newest first")
     p.add_argument("--state", choices=STATES)
     p.add_argument("--type")
     p.add_argument("--group")
-    p.add_argument("--since", type=_duration, help="created within, e.g. 1h")
-    p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--since", type=_duration, metavar="DURATION", help="created within, e.g. 1h")
+    p.add_argument("--limit", type=_count, default=50)
     for name, text in (("show", "every field of a job, its upstreams, dependents and children"),
                        ("why", "why a job is not running right now, in one line"),
                        ("retry", "retry a failed or cancelled job (and re-open what it closed)"),
                        ("cancel", "cancel a job, or a container with its subtree")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("id", type=int)
-        if name == "show":
-            p.add_argument("--json", action="store_true")
-    p = sub.add_parser("prune", help="delete finished jobs older than a duration")
-    p.add_argument("--older-than", type=_duration, required=True, help="e.g. 7d")
-    p.add_argument("--state", action="append", choices=TERMINAL, help="default: done")
-    p = sub.add_parser("graph", help="a job's or container's DAG as Mermaid or Graphviz DOT")
-    p.add_argument("id", type=int, nargs="?")
+        add(name, text).add_argument("id", type=_job_id)
+    p = add("prune", "delete finished jobs older than a duration")
+    p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
+    p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
+    p = add("graph", "a job's or container's DAG as Mermaid or Graphviz DOT (--json: nodes and edges)")
+    p.add_argument("id", type=_job_id, nargs="?")
     p.add_argument("--all", action="store_true", help="the newest 500 jobs")
     p.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
-    p = sub.add_parser("worker", help="run a worker until SIGTERM")
-    p.add_argument("--app", required=True, help="package.module:handlers (your own mapping)")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--lease-ttl", type=float, default=30.0)
+    p = sub.add_parser("worker", help="run a worker until SIGTERM", description="run a worker until SIGTERM/SIGINT",
+                       parents=[common])
+    p.add_argument("--app", required=True, metavar="MODULE:NAME", help="package.module:handlers (your own mapping)")
+    p.add_argument("--concurrency", type=_count, default=4, help="the global cap: most jobs in flight across all workers")
+    p.add_argument("--lease-ttl", type=_interval, default=30.0, metavar="SECONDS")
+    p.add_argument("--heartbeat", type=_interval, metavar="SECONDS", help="default: lease TTL / 3")
+    p.add_argument("--poll", type=_interval, default=1.0, metavar="SECONDS", help="seconds between ticks when idle")
+    p.add_argument("--listen", action="store_true", help="also wake on NOTIFY (PostgreSQL with psycopg)")
+    p.add_argument("--timeout", type=_interval, metavar="SECONDS", help="default most one dispatch may run")
+    p.add_argument("--shutdown-timeout", type=_interval, default=30.0, metavar="SECONDS")
+    p.add_argument("--cap", type=_cap, action="append", default=[], metavar="GROUP=N",
+                   help="most jobs in flight for GROUP (repeatable)")
+    p.add_argument("--rate", type=_rate, action="append", default=[], metavar="GROUP=N/SECONDS",
+                   help="most N starts per SECONDS for GROUP, '*' for all (repeatable)")
     p.add_argument("--executor", choices=_EXECUTORS, default="thread")
-    ns = parser.parse_args(argv)
+    p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), help="for --executor process")
+    p.add_argument("--worker-id")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``jobq`` command for operators. ``jobq --help`` lists the subcommands.
+
+    Exit codes: 0 success, 1 no such job (the ID given to show/why/graph/retry/cancel), 2 bad
+    usage or input, 3 the database is unreachable, failing, missing or without the jobq schema,
+    4 a bug in jobq. Errors are one line on stderr, never with the URL's credentials. A closed
+    output pipe (``jobq ls | head -1``) ends the command quietly.
+    """
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away: stop quietly, and keep the interpreter's final flush of
+        # stdout from reporting the same broken pipe.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        ns = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (already printed)
+        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    secrets = _url_secrets(ns.url or "")
+
+    def report(message: str, code: int) -> int:
+        print(f"jobq: {_scrub(message, secrets)}", file=sys.stderr)
+        return code
+
     if not ns.url:
-        parser.error("no database: pass --url or set JOBQ_URL")
+        return report("no database: pass --url or set JOBQ_URL", _EXIT_USAGE)
     engine = None
     try:
-        engine = sa.create_engine(ns.url, pool_pre_ping=True)
-        return _run_command(ns, engine)
-    except (InvalidJob, ConfigError, json.JSONDecodeError, argparse.ArgumentTypeError, sa.exc.ArgumentError) as exc:
-        print(f"jobq: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as exc:
-        print(f"jobq: {_one_line(exc)} (install the driver for this URL, or the module of --app)", file=sys.stderr)
-        return 2
-    except (UnsupportedDatabase, sa.exc.SQLAlchemyError) as exc:
-        msg = _one_line(getattr(exc, "orig", None) or exc)
-        print(f"jobq: database error: {msg}", file=sys.stderr)  # never the URL: it may hold a password
-        return 3
+        engine = _engine_for(ns.url)
+        _check_database(engine, ns.command)
+        return _run_command(ns, engine, secrets)
+    except BrokenPipeError:
+        raise
+    except _CliError as exc:
+        return report(str(exc), exc.code)
+    except (InvalidJob, ConfigError, argparse.ArgumentTypeError, OverflowError) as exc:
+        return report(_one_line(exc), _EXIT_USAGE)
+    except (JobqError, sa.exc.SQLAlchemyError) as exc:  # UnsupportedDatabase, a newer schema, driver errors
+        return report(f"database error: {_one_line(getattr(exc, 'orig', None) or exc)}", _EXIT_DATABASE)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return report(f"internal error (a bug in jobq, please report it): {type(exc).__name__}: {_one_line(exc)}",
+                      _EXIT_INTERNAL)
     finally:
         if engine is not None:
             engine.dispose()
 
 
-def _run_command(ns: argparse.Namespace, engine: Engine) -> int:
+def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str]) -> int:
     cmd = ns.command
     if cmd == "init":
         create_schema(engine)
-        print("schema ready")
+        _print_json({"schema_version": SCHEMA_VERSION}) if ns.json else print("schema ready")
     elif cmd == "enqueue":
-        print(enqueue(engine, ns.type, json.loads(ns.args), group_key=ns.group, weight=ns.weight, depends_on=ns.after,
-                      parent=ns.parent, container=ns.container, max_attempts=ns.max_attempts))
+        try:
+            args = json.loads(ns.args)
+        except ValueError as exc:
+            raise _CliError(f"--args is not valid JSON: {_one_line(exc)}", _EXIT_USAGE) from None
+        if not isinstance(args, dict):
+            raise _CliError(f"--args must be a JSON object, like '{{\"id\": 7}}', got {_type_name(args)}", _EXIT_USAGE)
+        if ns.after:
+            print("jobq: --after is deprecated, use --depends-on (the same: wait for that job to be done)", file=sys.stderr)
+        when = ns.delay if ns.delay is not None else ns.run_after
+        job_id = enqueue(engine, ns.type, args, group_key=ns.group, weight=ns.weight, depends_on=ns.depends_on + ns.after,
+                         parent=ns.parent, container=ns.container, run_after=when, max_attempts=ns.max_attempts,
+                         timeout=ns.timeout)
+        _print_json({"id": job_id}) if ns.json else print(job_id)
     elif cmd == "status":
         while True:
-            if ns.json:
-                out = json.dumps(stats(engine), default=str, sort_keys=True)
-            else:
-                out = _status_text(engine)
-            if ns.watch:
-                print("\x1b[2J\x1b[H" + out, flush=True)
-                time.sleep(ns.watch)
-                continue
-            print(out)
-            break
+            st = stats(engine)
+            out = json.dumps(st, default=_json_default, sort_keys=True) if ns.json else _status_text(st)
+            if not ns.watch:
+                print(out)
+                break
+            print("\x1b[2J\x1b[H" + out, flush=True)
+            time.sleep(ns.watch)
     elif cmd == "ls":
-        stmt = sa.select(_c.id, _c.type, _c.state, _c.group_key, _c.attempts, _c.max_attempts, _c.created_at,
-                         _c.finished_at).order_by(_c.id.desc()).limit(ns.limit)
-        if ns.state:
-            stmt = stmt.where(_c.state == ns.state)
-        if ns.type:
-            stmt = stmt.where(_c.type == ns.type)
-        if ns.group:
-            stmt = stmt.where(_c.group_key == ns.group)
         with engine.connect() as conn:
-            if ns.since:
-                stmt = stmt.where(_c.created_at >= _prepare(engine).db_now(conn) - ns.since)
-            rows = [dict(r._mapping) for r in conn.execute(stmt)]
-        print(json.dumps(rows, default=str) if ns.json else _table(rows, ["id", "type", "state", "group_key", "attempts",
-                                                                           "max_attempts", "created_at", "finished_at"]))
+            since = _prepare(engine).db_now(conn) - ns.since if ns.since is not None else None
+            rows = [dict(r._mapping) for r in conn.execute(
+                _q_list_jobs(state=ns.state, type=ns.type, group=ns.group, since=since, limit=ns.limit))]
+            conn.rollback()
+        if ns.json:
+            _print_json(rows)
+        else:
+            print(_table(rows, ["id", "type", "state", "group_key", "attempts", "max_attempts", "run_after",
+                                "created_at", "finished_at"]))
     elif cmd == "show":
         info = get(engine, ns.id)
         if info is None:
-            print(f"jobq: no job with id {ns.id}", file=sys.stderr)
-            return 1
+            raise _CliError(f"no job with id {ns.id}", _EXIT_NO_SUCH_JOB)
         with engine.connect() as conn:
-            dependents = list(conn.execute(sa.select(_deps.c.job_id).where(_deps.c.depends_on_id == ns.id)).scalars())
-            children = list(conn.execute(sa.select(_c.id).where(_c.parent_id == ns.id)).scalars())
+            dependents = list(conn.execute(_q_dependent_ids(ns.id)).scalars())
+            children = list(conn.execute(_q_child_ids(ns.id)).scalars())
+            conn.rollback()
         data = {**dataclasses.asdict(info), "dependents": dependents, "children": children}
         if ns.json:
-            print(json.dumps(data, default=str))
+            _print_json(data)
         else:
             for k, v in data.items():
-                print(f"{k:>17}: {v}")
+                print(f"{k:>17}: {_text(list(v) if isinstance(v, tuple) else v)}")
     elif cmd == "why":
+        state = _require_job(engine, ns.id)
         line = why(engine, ns.id)
-        print(line)
-        return 1 if line.endswith("no such job") else 0
-    elif cmd == "retry":
-        print("re-opened: " + " ".join(map(str, retry(engine, ns.id))))
-    elif cmd == "cancel":
-        print(f"job {ns.id}: {cancel(engine, ns.id)}")
+        _print_json({"id": ns.id, "state": state, "why": line}) if ns.json else print(line)
+    elif cmd in ("retry", "cancel"):
+        _require_job(engine, ns.id)
+        try:
+            outcome: Any = retry(engine, ns.id) if cmd == "retry" else cancel(engine, ns.id)
+        except InvalidJob:
+            _require_job(engine, ns.id)  # deleted meanwhile: still "no such job"
+            raise
+        if cmd == "retry":
+            _print_json({"id": ns.id, "reopened": outcome}) if ns.json else print("re-opened: " + " ".join(map(str, outcome)))
+        else:
+            _print_json({"id": ns.id, "state": outcome}) if ns.json else print(f"job {ns.id}: {outcome}")
     elif cmd == "prune":
-        print(f"deleted {prune(engine, ns.older_than, states=tuple(ns.state or ('done',)))} job(s)")
+        n = prune(engine, ns.older_than, states=tuple(ns.state or ("done",)))
+        _print_json({"deleted": n}) if ns.json else print(f"deleted {n} job(s)")
     elif cmd == "graph":
-        if ns.id is None and not ns.all:
-            raise ConfigError("graph needs a job id or --all")
+        if (ns.id is None) == (not ns.all):
+            raise _CliError("graph needs a job id or --all (not both)", _EXIT_USAGE)
+        if ns.id is not None:
+            _require_job(engine, ns.id)
         with engine.connect() as conn:
-            if ns.id is not None and conn.execute(sa.select(_c.id).where(_c.id == ns.id)).first() is None:
-                print(f"jobq: no job with id {ns.id}", file=sys.stderr)
-                return 1
-            print(_graph(conn, ns.id, ns.format))
+            nodes, edges = _graph_data(conn, ns.id)
+            conn.rollback()
+        text = _graph(nodes, edges, ns.format)
+        if ns.json:
+            _print_json({"root": ns.id, "format": ns.format, "text": text, "edges": [list(e) for e in edges],
+                         "nodes": [{"id": r.id, "type": r.type, "state": r.state, "parent_id": r.parent_id,
+                                    "is_container": bool(r.is_container)} for r in nodes]})
+        else:
+            print(text)
     elif cmd == "worker":
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        handler = logging.StreamHandler()
+        handler.setFormatter(_ScrubbingFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", secrets))
+        logging.basicConfig(level=getattr(logging, ns.log_level.upper()), handlers=[handler])
+        options: dict[str, Any] = {"start_method": ns.start_method} if ns.start_method else {}
         w = Worker(engine, _load_handlers(ns.app), max_concurrency=ns.concurrency, lease_ttl=ns.lease_ttl,
-                   executor=ns.executor)
+                   heartbeat_interval=ns.heartbeat, poll_interval=ns.poll, listen=ns.listen, timeout=ns.timeout,
+                   shutdown_timeout=ns.shutdown_timeout, group_caps=dict(ns.cap), rate_limits=dict(ns.rate),
+                   executor=ns.executor, worker_id=ns.worker_id, **options)
         logger.info("worker %s started: types %s", w.worker_id, ", ".join(sorted(w.handlers)))
         w.run()
         logger.info("worker %s stopped", w.worker_id)

@@ -37,12 +37,12 @@ def test_ready_index_exists_in_the_dialects_form(engine: sa.Engine) -> None:
 
 def test_times_keep_microseconds_and_are_utc(engine: sa.Engine) -> None:
     """MySQL rounds and MariaDB truncates a plain DATETIME; SQLite drops offsets. An aware
-    run_after in another zone must come back as the same instant, naive UTC, to the microsecond."""
+    run_after in another zone must come back as the same instant, in UTC, to the microsecond."""
     when = dt.datetime(2031, 5, 6, 7, 8, 9, 123457, tzinfo=dt.timezone(dt.timedelta(hours=5, minutes=30)))
     jid = jobq.enqueue(engine, "t", run_after=when)
     info = jobq.get(engine, jid)
     assert info is not None
-    assert info.run_after == dt.datetime(2031, 5, 6, 1, 38, 9, 123457)
+    assert info.run_after == dt.datetime(2031, 5, 6, 1, 38, 9, 123457, tzinfo=dt.timezone.utc) == when
     assert info.created_at.microsecond == info.updated_at.microsecond
 
 

@@ -38,3 +38,20 @@ def test_stats_counts_live_states_exactly_and_finished_ones_in_the_window(engine
     full = jobq.stats(engine, totals=True)["totals"]
     assert full["done"] == 2 and sum(full.values()) == 6
     assert jobq.stats(engine, window=dt.timedelta(days=7))["states"]["done"] == 2
+
+
+def test_stats_report_due_and_scheduled_ready_jobs_apart(engine: sa.Engine) -> None:
+    """A ready job whose run_after is still ahead (scheduled, or backing off) is not waiting:
+    today it counts as the oldest ready job, and `jobq status` prints a negative age."""
+    later = jobq.get(engine, jobq.enqueue(engine, "t", group_key="a", run_after=dt.timedelta(hours=1)))
+    assert later is not None
+    st = jobq.stats(engine)
+    assert (st["states"]["ready"], st["ready_due"], st["ready_scheduled"]) == (1, 0, 1)
+    assert st["ready_by_group"] == {"a": 1} and st["due_by_group"] == {"a": 0}
+    assert st["oldest_ready"] is None and st["next_scheduled"] == later.run_after.replace(tzinfo=None)
+    due = jobq.get(engine, jobq.enqueue(engine, "t", group_key="b"))
+    assert due is not None
+    st = jobq.stats(engine)
+    assert (st["states"]["ready"], st["ready_due"], st["ready_scheduled"]) == (2, 1, 1)
+    assert st["ready_by_group"] == {"a": 1, "b": 1} and st["due_by_group"] == {"a": 0, "b": 1}
+    assert st["oldest_ready"] == due.run_after.replace(tzinfo=None) <= st["now"] < st["next_scheduled"]
