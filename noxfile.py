@@ -7,6 +7,7 @@
     nox -s crash-postgres       kill-the-worker and database-fault scenarios
     nox -s fairness             fair-share properties and simulations (no database)
     nox -s lint                 ruff and mypy
+    nox -s package              build the wheel and check it installed (license, py.typed, -m jobq)
 
 No session invents a server: an engine is tested only when JOBQ_TEST_POSTGRES_URL,
 JOBQ_TEST_MYSQL_URL or JOBQ_TEST_MARIADB_URL names a database the suite may wipe (see
@@ -20,6 +21,8 @@ worker uses its own database on each server, derived from the named one (<name>_
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 
 import nox
 
@@ -104,6 +107,37 @@ def bench(session: nox.Session) -> None:
     """jobq against the raw-SQL ceiling; pass --url to measure a server (default SQLite)."""
     session.install("-e", ".[postgres,mysql]")
     session.run("python", "bench/bench.py", *session.posargs)
+
+
+PACKAGE_CHECK = """\
+import importlib.metadata, subprocess, sys
+import sqlalchemy as sa
+import jobq
+
+job_id: int = jobq.enqueue(sa.create_engine("sqlite://"), "t") if len(sys.argv) > 9 else 0
+meta = importlib.metadata.metadata("jobq")
+assert meta["License-Expression"] == "MIT", meta["License-Expression"]
+assert jobq.__file__.endswith("jobq/__init__.py"), jobq.__file__
+subprocess.run([sys.executable, "-m", "jobq", "--help"], check=True, capture_output=True)
+print("installed wheel: license", meta["License-Expression"], "| typed | python -m jobq works")
+"""
+
+
+@nox.session(default=False)
+def package(session: nox.Session) -> None:
+    """Build the wheel, install it in a scratch venv: license field, py.typed for mypy, -m jobq."""
+    session.install("mypy")
+    tmp = pathlib.Path(session.create_tmp())
+    shutil.rmtree(tmp / "dist", ignore_errors=True)
+    session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), ".")
+    session.run("python", "-m", "venv", "--clear", str(tmp / "venv"))
+    py = str(tmp / "venv" / "bin" / "python")
+    session.run(py, "-m", "pip", "install", "-q", *map(str, (tmp / "dist").glob("jobq-*.whl")), external=True)
+    check = tmp / "check_installed.py"
+    check.write_text(PACKAGE_CHECK)
+    # mypy reads the scratch venv's site-packages: an untyped jobq is an import-untyped error.
+    session.run("mypy", "--python-executable", py, "--no-incremental", str(check))
+    session.run(py, str(check), external=True, env={"PYTHONPATH": ""})
 
 
 @nox.session(default=False)
