@@ -116,10 +116,10 @@ import jobq
 
 job_id: int = jobq.enqueue(sa.create_engine("sqlite://"), "t") if len(sys.argv) > 9 else 0
 meta = importlib.metadata.metadata("jobq")
-assert meta["License-Expression"] == "MIT", meta["License-Expression"]
+assert meta["License"] == "MIT" and "License :: OSI Approved :: MIT License" in (meta.get_all("Classifier") or []), meta
 assert jobq.__file__.endswith("jobq/__init__.py"), jobq.__file__
 subprocess.run([sys.executable, "-m", "jobq", "--help"], check=True, capture_output=True)
-print("installed wheel: license", meta["License-Expression"], "| typed | python -m jobq works")
+print("installed wheel: license", meta["License"], "| typed | python -m jobq works")
 """
 
 
