@@ -7,14 +7,22 @@
     nox -s crash-postgres       kill-the-worker and database-fault scenarios
     nox -s fairness             fair-share properties and simulations (no database)
     nox -s lint                 ruff and mypy
+    nox -s package              build the wheel and check it installed (license, py.typed, -m jobq)
 
-Server URLs default to the local services of the development machines and can be set with
-JOBQ_TEST_POSTGRES_URL, JOBQ_TEST_MYSQL_URL and JOBQ_TEST_MARIADB_URL.
+No session invents a server: an engine is tested only when JOBQ_TEST_POSTGRES_URL,
+JOBQ_TEST_MYSQL_URL or JOBQ_TEST_MARIADB_URL names a database the suite may wipe (see
+tests/dbs.py); otherwise the run ends with one line per engine saying how to enable it.
+
+The conformance suite (tests, tests-<engine>) runs under pytest-xdist: JOBQ_TEST_WORKERS sets
+the number of workers (default 2; 0 runs serially), and `-n N` after `--` overrides it. Each
+worker uses its own database on each server, derived from the named one (<name>_gw0, ...).
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 
 import nox
 
@@ -22,26 +30,36 @@ nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["demo", "tests"]
 
-DEFAULT_URLS = {
-    "JOBQ_TEST_POSTGRES_URL": "postgresql+psycopg://postgres@127.0.0.1:5432/test",
-    "JOBQ_TEST_MYSQL_URL": "mysql+pymysql://root@127.0.0.1:3307/test",
-    "JOBQ_TEST_MARIADB_URL": "mariadb+pymysql://root@127.0.0.1:3306/test",
-}
 ENGINES = {"sqlite": "sqlite", "postgres": "postgresql", "mysql": "mysql", "mariadb": "mariadb"}
 URL_VAR = {"postgres": "JOBQ_TEST_POSTGRES_URL", "mysql": "JOBQ_TEST_MYSQL_URL", "mariadb": "JOBQ_TEST_MARIADB_URL"}
 TEST_DEPS = ["-e", ".[test]"]
 
 
+CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness"]
+
+
 def _env(dialects: str | None = None) -> dict[str, str]:
-    env = {k: os.environ.get(k, v) for k, v in DEFAULT_URLS.items()}
+    # The server URLs pass through from the caller's environment, untouched.
+    # A session for one engine (tests-postgres, ...) without that engine fails, rather than
+    # passing with nothing run.
+    env = {}
     if dialects:
         env["JOBQ_TEST_DIALECTS"] = dialects
+        env["JOBQ_REQUIRE_DIALECTS"] = os.environ.get("JOBQ_REQUIRE_DIALECTS") or dialects
     return env
 
 
-def _pytest(session: nox.Session, paths: list[str], dialects: str | None = None) -> None:
+def _workers(session: nox.Session) -> list[str]:
+    """xdist's -n for the conformance suite, unless the caller passed their own."""
+    if any(a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist" for a in session.posargs):
+        return []
+    n = os.environ.get("JOBQ_TEST_WORKERS", "2")
+    return [] if n == "0" else ["-n", n]
+
+
+def _pytest(session: nox.Session, paths: list[str], dialects: str | None = None, parallel: bool = False) -> None:
     session.install(*TEST_DEPS)
-    session.run("pytest", *paths, *session.posargs, env=_env(dialects))
+    session.run("pytest", *paths, *(_workers(session) if parallel else []), *session.posargs, env=_env(dialects))
 
 
 @nox.session
@@ -53,17 +71,17 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The conformance suite on every database it can reach (SQLite always)."""
-    _pytest(session, ["tests/core", "tests/dag", "tests/cli", "tests/fairness"])
+    """The conformance suite, in parallel, on SQLite and every server named by JOBQ_TEST_*_URL."""
+    _pytest(session, CONFORMANCE, parallel=True)
 
 
-def _engine_sessions(kind: str, paths: list[str], doc: str) -> None:
+def _engine_sessions(kind: str, paths: list[str], doc: str, parallel: bool = False) -> None:
     # A factory per session: a plain loop would bind every session to the last engine.
     for short, dialect in ENGINES.items():
 
         def make(short: str = short, dialect: str = dialect) -> None:
             def run(session: nox.Session) -> None:
-                _pytest(session, paths, dialect)
+                _pytest(session, paths, dialect, parallel)
 
             run.__doc__ = doc.format(engine=short)
             nox.session(name=f"{kind}-{short}", default=False)(run)
@@ -71,7 +89,7 @@ def _engine_sessions(kind: str, paths: list[str], doc: str) -> None:
         make()
 
 
-_engine_sessions("tests", ["tests/core", "tests/dag", "tests/cli", "tests/fairness"], "The conformance suite on {engine} only.")
+_engine_sessions("tests", CONFORMANCE, "The conformance suite on {engine} only, in parallel.", parallel=True)
 _engine_sessions("races", ["tests/races"], "Race suite on {engine}: no double dispatch, a hard global cap, broken variants caught.")
 _engine_sessions("crash", ["tests/crash"], "Crash suite on {engine}: SIGKILLed workers, zombies, timeouts, database faults.")
 
@@ -89,6 +107,37 @@ def bench(session: nox.Session) -> None:
     """jobq against the raw-SQL ceiling; pass --url to measure a server (default SQLite)."""
     session.install("-e", ".[postgres,mysql]")
     session.run("python", "bench/bench.py", *session.posargs)
+
+
+PACKAGE_CHECK = """\
+import importlib.metadata, subprocess, sys
+import sqlalchemy as sa
+import jobq
+
+job_id: int = jobq.enqueue(sa.create_engine("sqlite://"), "t") if len(sys.argv) > 9 else 0
+meta = importlib.metadata.metadata("jobq")
+assert meta["License"] == "MIT" and "License :: OSI Approved :: MIT License" in (meta.get_all("Classifier") or []), meta
+assert jobq.__file__.endswith("jobq/__init__.py"), jobq.__file__
+subprocess.run([sys.executable, "-m", "jobq", "--help"], check=True, capture_output=True)
+print("installed wheel: license", meta["License"], "| typed | python -m jobq works")
+"""
+
+
+@nox.session(default=False)
+def package(session: nox.Session) -> None:
+    """Build the wheel, install it in a scratch venv: license field, py.typed for mypy, -m jobq."""
+    session.install("mypy")
+    tmp = pathlib.Path(session.create_tmp())
+    shutil.rmtree(tmp / "dist", ignore_errors=True)
+    session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), ".")
+    session.run("python", "-m", "venv", "--clear", str(tmp / "venv"))
+    py = str(tmp / "venv" / "bin" / "python")
+    session.run(py, "-m", "pip", "install", "-q", *map(str, (tmp / "dist").glob("jobq-*.whl")), external=True)
+    check = tmp / "check_installed.py"
+    check.write_text(PACKAGE_CHECK)
+    # mypy reads the scratch venv's site-packages: an untyped jobq is an import-untyped error.
+    session.run("mypy", "--python-executable", py, "--no-incremental", str(check))
+    session.run(py, str(check), external=True, env={"PYTHONPATH": ""})
 
 
 @nox.session(default=False)

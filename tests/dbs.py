@@ -1,21 +1,34 @@
 """Which databases a run uses, and how tests reach them (imported by conftest and tests).
 
-Database URLs come from the environment (nox owns the servers, pytest only reads URLs):
+The suite writes only to databases it was given. SQLite always runs, on temporary files
+(several connections, never ``:memory:``). A server engine is tested only when its variable
+names a database, and the suite then **drops and recreates jobq's tables in exactly that
+database** (``jobs``, ``job_deps``, ``jobq_meta``, ``jobq_slots``, ``jobq_starts``), so name one
+of its own, never an application's:
 
-    JOBQ_TEST_POSTGRES_URL   e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test
-    JOBQ_TEST_MYSQL_URL      e.g. mysql+pymysql://root@127.0.0.1:3307/test
-    JOBQ_TEST_MARIADB_URL    e.g. mariadb+pymysql://root@127.0.0.1:3306/test
+    JOBQ_TEST_POSTGRES_URL   e.g. postgresql+psycopg://postgres@127.0.0.1:5432/jobq_test
+    JOBQ_TEST_MYSQL_URL      e.g. mysql+pymysql://root@127.0.0.1:3307/jobq_test
+    JOBQ_TEST_MARIADB_URL    e.g. mariadb+pymysql://root@127.0.0.1:3306/jobq_test
 
-SQLite always runs, on a file (several connections), never ``:memory:``. Where a URL is unset
-and a Docker engine answers, testcontainers starts that server. Otherwise the dialect's tests
-skip with the reason, unless ``JOBQ_REQUIRE_DIALECTS`` names it: then they fail.
-``JOBQ_TEST_DIALECTS`` (comma list) narrows the run to some dialects.
+Under pytest-xdist (``pytest -n 4``, as ``nox -s tests`` runs) each worker gets a database of
+its own, derived from the named one: ``jobq_test_gw0``, ``jobq_test_gw1``, ... on the same
+server, created when missing (so the user in the URL needs the right to create databases).
+:func:`named_url` is the named database itself, for suites whose xdist workers must share one
+queue.
+
+Where a variable is unset and a Docker engine answers, testcontainers starts a throwaway server
+(one per pytest process). Otherwise that engine is not tested: its tests are deselected and the
+run ends with one line saying how to enable it, unless ``JOBQ_REQUIRE_DIALECTS`` names it: then
+its tests fail. ``JOBQ_TEST_DIALECTS`` (comma list) narrows the run to some dialects.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import socket
+import tempfile
 
 import pytest
 import sqlalchemy as sa
@@ -27,6 +40,12 @@ ENV_URL = {
     "postgresql": "JOBQ_TEST_POSTGRES_URL",
     "mysql": "JOBQ_TEST_MYSQL_URL",
     "mariadb": "JOBQ_TEST_MARIADB_URL",
+}
+#: What a URL looks like, for the "not tested" line.
+URL_SHAPE = {
+    "postgresql": "postgresql+psycopg://user@host/db",
+    "mysql": "mysql+pymysql://user@host:3306/db",
+    "mariadb": "mariadb+pymysql://user@host:3306/db",
 }
 CONTAINER_IMAGES = {"postgresql": "postgres:16", "mysql": "mysql:8.4", "mariadb": "mariadb:11"}
 
@@ -42,6 +61,7 @@ if unknown:
     raise RuntimeError(f"JOBQ_REQUIRE_DIALECTS names unknown dialects: {sorted(unknown)}")
 
 
+@functools.cache
 def _docker_answers() -> bool:
     sock_path = "/var/run/docker.sock"
     if not os.path.exists(sock_path):
@@ -56,6 +76,34 @@ def _docker_answers() -> bool:
         return ok
     except OSError:
         return False
+
+
+def _testcontainers_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("testcontainers.community") is not None
+    except ImportError:
+        return False
+
+
+def reachable(dialect: str) -> bool:
+    """Decided without connecting: a URL was given, or testcontainers can start a server."""
+    if dialect == "sqlite" or os.environ.get(ENV_URL[dialect]):
+        return True
+    return _docker_answers() and _testcontainers_installed()
+
+
+def not_tested_reason(dialect: str) -> str:
+    return (f"{dialect}: not tested: set {ENV_URL[dialect]}={URL_SHAPE[dialect]} "
+            "(a database the suite may wipe)")
+
+
+#: The dialects whose tests are generated: selected, and reachable or required (a required
+#: dialect with no server fails its tests rather than vanishing).
+TESTED = tuple(d for d in SELECTED if d in REQUIRED or reachable(d))
+#: One line per selected engine that is not tested, printed at the end of the run.
+NOT_TESTED = [not_tested_reason(d) for d in SELECTED if d not in TESTED]
 
 
 _containers: list[object] = []
@@ -85,21 +133,68 @@ def stop_containers() -> None:
         c.stop()  # type: ignore[attr-defined]
 
 
-_resolved: dict[str, str | None] = {}
+_resolved: dict[str, tuple[str, bool] | None] = {}
 
 
-def server_url(dialect: str) -> str:
-    """The URL of a server for ``dialect``, or skip/fail the test as the policy says."""
+def _named(dialect: str) -> tuple[str, bool] | None:
+    """(URL, whether it came from a container), or None when no server was given."""
     if dialect not in _resolved:
-        _resolved[dialect] = os.environ.get(ENV_URL[dialect]) or _container_url(dialect)
-    url = _resolved[dialect]
-    if url is None:
-        why = f"{dialect}: set {ENV_URL[dialect]} (no Docker engine answers for testcontainers)"
+        url = os.environ.get(ENV_URL[dialect])
+        if url:
+            _resolved[dialect] = (url, False)
+        else:
+            c = _container_url(dialect)
+            _resolved[dialect] = (c, True) if c else None
+    return _resolved[dialect]
+
+
+def named_url(dialect: str) -> str:
+    """The database named for ``dialect`` (shared by every xdist worker), or skip/fail the test."""
+    got = _named(dialect)
+    if got is None:
+        why = not_tested_reason(dialect)
         if dialect in REQUIRED:
             pytest.fail(f"JOBQ_REQUIRE_DIALECTS requires {why}", pytrace=False)
         pytest.skip(why)
-    return url
+    return got[0]
 
+
+def server_url(dialect: str) -> str:
+    """The database this pytest process tests ``dialect`` on: the named one, or under xdist
+    the worker's own ``<named>_gwN`` (a container is already this process's own)."""
+    url = named_url(dialect)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    got = _named(dialect)
+    if not worker or (got is not None and got[1]):
+        return url
+    return worker_database(url, worker)
+
+
+@functools.cache
+def worker_database(url: str, worker: str) -> str:
+    """``url`` with its database renamed ``<database>_<worker>``, created on the server if missing."""
+    import filelock
+
+    u = sa.engine.make_url(url)
+    if not u.database:
+        raise RuntimeError(f"{u.render_as_string()} names no database to derive {worker}'s from")
+    name = f"{u.database}_{worker}"
+    # Two runs on one server (or one run's workers) may race to create it: serialise per name.
+    key = hashlib.sha1(u.set(database=name).render_as_string().encode()).hexdigest()[:16]
+    with filelock.FileLock(os.path.join(tempfile.gettempdir(), f"jobq-test-db-{key}.lock"), timeout=60):
+        eng = sa.create_engine(url, isolation_level="AUTOCOMMIT")  # CREATE DATABASE refuses a transaction
+        try:
+            quoted = eng.dialect.identifier_preparer.quote(name)
+            with eng.connect() as conn:
+                if eng.dialect.name == "postgresql":
+                    exists = conn.execute(sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}).first()
+                    if not exists:
+                        conn.exec_driver_sql(f"CREATE DATABASE {quoted}")
+                else:
+                    conn.exec_driver_sql(f"CREATE DATABASE IF NOT EXISTS {quoted}")
+        finally:
+            eng.dispose()
+    return u.set(database=name).render_as_string(hide_password=False)
 
 
 def wipe(engine: sa.Engine) -> None:
