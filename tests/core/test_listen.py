@@ -29,13 +29,40 @@ def _run(worker: jobq.Worker) -> threading.Thread:
     return t
 
 
+def _listening(engine: sa.Engine) -> int:
+    """How many jobq listener connections the server shows idle after their LISTEN."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener' "
+            "AND state = 'idle' AND query LIKE 'LISTEN%'")).scalar_one()
+
+
+def _count_ticks(worker: jobq.Worker) -> list[float]:
+    """Record when each of ``worker``'s ticks ends (the run loop calls ``_safe_tick`` once a
+    round)."""
+    ends: list[float] = []
+    tick = worker._safe_tick
+
+    def counted() -> int:
+        n = tick()
+        ends.append(time.monotonic())
+        return n
+
+    worker._safe_tick = counted  # type: ignore[method-assign]
+    return ends
+
+
 @only("postgresql")  # NOTIFY is PostgreSQL's
 def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
     started = Started()
     w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=30.0, listen=True)
+    ticks = _count_ticks(w)
     t = _run(w)
     try:
-        time.sleep(0.5)  # let it LISTEN and go idle
+        # Idle and listening: with a 30 s poll the loop ticks once at start and once more when
+        # the listener wakes it after its LISTEN; after that only a notification wakes it.
+        wait_for(lambda: len(ticks) >= 2 and _listening(engine) == 1, timeout=10,
+                 what="the worker to LISTEN and go idle")
         sent = time.monotonic()
         jid = jobq.enqueue(engine, "t")
         wait_for(lambda: jid in started.at, timeout=10, what="the notified worker to start the job")
@@ -58,7 +85,7 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
     t = _run(w)
     admin = sa.create_engine(engine.url)
     try:
-        time.sleep(0.5)
+        wait_for(lambda: _listening(admin) == 1, timeout=10, what="the listener to LISTEN")
         with admin.connect() as conn:
             killed = conn.execute(sa.text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'jobq-listener'"

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 import jobq
 from dbs import only
 from helpers import REPORT, wait_for
-from procs import events, finalized, start
+from procs import events, executions, finalized, start
 
 jobs = jobq.Job.__table__
 
@@ -54,6 +54,14 @@ def _hold_sqlite_lock(url: str, seconds: float) -> int:
     return 1
 
 
+def _assert_each_done_once(engine: sa.Engine, ids: list[int], logdir: pathlib.Path) -> None:
+    """Every job in ``ids`` is done, and the worker logged no job's finalize commit twice."""
+    with engine.connect() as conn:
+        states = dict(conn.execute(sa.select(jobs.c.id, jobs.c.state)).all())
+    assert [i for i in ids if states[i] != "done"] == [], "a job was lost"
+    assert [i for i, n in finalized(logdir).items() if n > 1] == [], "a job was finalized twice"
+
+
 def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url: str, tmp_path: pathlib.Path) -> None:
     """A worker process drains 200 jobs while its connections are cut at least five times
     (pg_terminate_backend / KILL CONNECTION; on SQLite the write lock is held past every retry).
@@ -71,10 +79,14 @@ def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url
     try:
         # Keep cutting until five cuts hit at least one of the worker's connections (a cut
         # that lands while the worker is between connections kills nothing and is not counted).
+        ran = 0
         for _ in range(40):
             if cuts >= 5 or p.poll() is not None:
                 break
-            time.sleep(0.4)
+            # Cut a worker that is working: wait until it has started a job since the last cut.
+            wait_for(lambda ran=ran: p.poll() is not None or sum(executions(tmp_path).values()) > ran, timeout=60,
+                     what="the worker to start a job since the last cut")
+            ran = sum(executions(tmp_path).values())
             n = _hold_sqlite_lock(db_url, 1.8) if db_url.startswith("sqlite") else _kill_connections(admin)
             cuts += n > 0
             killed += n
@@ -83,10 +95,7 @@ def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url
         if p.poll() is None:
             p.kill()
         admin.dispose()
-    with engine.connect() as conn:
-        states = dict(conn.execute(sa.select(jobs.c.id, jobs.c.state)).all())
-    assert [i for i in ids if states[i] != "done"] == []
-    assert [i for i, n in finalized(tmp_path).items() if n > 1] == []
+    _assert_each_done_once(engine, ids, tmp_path)
     assert cuts >= 3, "the worker's connections were not cut: the test proved nothing"
     # Whether a cut surfaces as an error depends on timing (a cut before COMMIT is rerun on a
     # fresh connection; one during COMMIT, or on SQLite, is an error); report it, not require it.
@@ -245,7 +254,8 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
     engine.dispose()
     p = start(db_url, tmp_path, "--concurrency", "3", "--ttl", "3.0", "--until-idle", "180")
     try:
-        time.sleep(1.0)
+        wait_for(lambda: p.poll() is not None or any(tmp_path.glob("started-*")), timeout=60,
+                 what="the worker to start a job")
         assert p.poll() is None, "the worker finished before the restart: the test proved nothing"
         subprocess.run(stop, check=True, timeout=120, capture_output=True)
         wait_for(lambda: not _answers(ping), 60, 0.25, f"{dialect} to stop")
@@ -260,10 +270,7 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
         if p.poll() is None:
             p.kill()
     engine.dispose()  # the pool's connections died with the server
-    with engine.connect() as conn:
-        states = dict(conn.execute(sa.select(jobs.c.id, jobs.c.state)).all())
-    assert [i for i in ids if states[i] != "done"] == []
-    assert [i for i, n in finalized(tmp_path).items() if n > 1] == []
+    _assert_each_done_once(engine, ids, tmp_path)
     errors = sum(1 for a, _ in events(tmp_path) if a == "db_error")
     assert errors >= 1, "the worker never noticed the server was gone"
     REPORT.append(f"server restart {dialect}: down 2 s, {errors} db_error events, {len(ids)} jobs done once")

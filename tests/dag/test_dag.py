@@ -8,9 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import snapshot, state, wait_for
-
-FAST = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
+from helpers import FAST, snapshot, state
 
 
 def ok(ctx: jobq.JobContext) -> dict:
@@ -207,7 +205,13 @@ def test_submit_a_large_fan_out_and_fan_in(engine: sa.Engine) -> None:
     info = jobq.get(engine, ids["sink"])
     assert info is not None and info.pending_deps == 2000 and len(info.depends_on) == 2000
     assert jobq.get(engine, ids["box"]).pending_children == 2000  # type: ignore[union-attr]
-    w = jobq.Worker(engine, {"t": lambda ctx: None}, max_concurrency=8, **FAST)
+    runs: list[int] = []
+    w = jobq.Worker(engine, {"t": lambda ctx: runs.append(ctx.id)}, max_concurrency=8, **FAST)
     assert w.run_until_idle(timeout=120)
     assert state(engine, ids["box"]) == "done" and state(engine, ids["sink"]) == "done"
-    wait_for(lambda: True)
+    # run_until_idle returned True: nothing is left to wait for. What must hold now: every
+    # child and the sink ran exactly once, and both counters came down to zero, not below.
+    assert sorted(runs) == sorted(v for k, v in ids.items() if k != "box")
+    box, sink = jobq.get(engine, ids["box"]), jobq.get(engine, ids["sink"])
+    assert box is not None and sink is not None
+    assert (box.pending_children, sink.pending_deps, sink.attempts) == (0, 0, 1)
