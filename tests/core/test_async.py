@@ -169,6 +169,8 @@ def test_async_worker_stops_gracefully_and_releases(db_url: str, engine: sa.Engi
 
 
 def test_async_worker_refuses_what_it_cannot_do(engine: sa.Engine, db_url: str) -> None:
+    """AsyncWorker refuses, when it is built, what it cannot run: a sync Engine, a sync handler and
+    the process executor, each with a ConfigError naming the problem."""
     async def ok(ctx: jobq.JobContext) -> None:
         return None
 

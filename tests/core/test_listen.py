@@ -54,6 +54,9 @@ def _count_ticks(worker: jobq.Worker) -> list[float]:
 
 @only("postgresql")  # NOTIFY is PostgreSQL's
 def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
+    """A listening worker with a 30 s poll, idle: a newly enqueued job, and a dependent released by
+    a finalize, start within seconds, because the NOTIFY woke it. A broken NOTIFY path shows as a
+    start only at the next poll: the wait times out."""
     started = Started()
     w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=30.0, listen=True)
     ticks = _count_ticks(w)
@@ -79,6 +82,10 @@ def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine)
 
 @only("postgresql")
 def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_only_latency(engine: sa.Engine) -> None:
+    """The server kills the idle worker's listener connection. Correct: a job enqueued in the gap
+    still starts, the cut is reported as a db_error, a job enqueued with no NOTIFY at all is
+    found by polling, and exactly one listener is connected again. A bug shows as a job never
+    started (polling off while listening), or no listener, or two, after the reconnect."""
     started = Started()
     events: list[jobq.Event] = []
     w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=1.0, listen=True, on_event=events.append)
@@ -112,5 +119,7 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
 
 @only("sqlite", "mysql", "mariadb")
 def test_listen_is_refused_where_it_cannot_work(engine: sa.Engine) -> None:
+    """listen=True where there is no LISTEN/NOTIFY (SQLite, MySQL, MariaDB) is refused when the
+    Worker is built, with a ConfigError naming psycopg, instead of silently polling."""
     with pytest.raises(jobq.ConfigError, match="psycopg"):
         jobq.Worker(engine, {"t": lambda c: None}, max_concurrency=1, listen=True)

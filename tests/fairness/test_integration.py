@@ -102,7 +102,8 @@ def test_integration_weighted_shares_hold_while_groups_are_backlogged(engine: sa
 
 def test_integration_per_group_cap_is_never_exceeded(engine: sa.Engine) -> None:
     """group_caps={"tenant": 2} next to a global cap of 5, two workers: the tenant never runs
-    more than 2 at once, while the other group uses the remaining slots."""
+    more than 2 at once, while the other group uses the remaining slots. A cap that does not
+    hold across the two workers shows as 3 or more tenant handlers running at once."""
     with engine.begin() as conn:
         for _ in range(30):
             jobq.enqueue(conn, "job", group_key="tenant")
