@@ -143,8 +143,8 @@ def test_one_bad_dependency_among_good_ones_writes_nothing(engine: sa.Engine) ->
 
 def test_enqueue_in_a_session_rolls_back_with_the_caller(engine: sa.Engine) -> None:
     """Enqueue inside the caller's transaction: the job exists only if that transaction
-    commits. After a rollback no row is left (not even one visible inside the transaction
-    before it); after a commit the job is ready."""
+    commits. It is visible inside the transaction; after a rollback no row is left; after a
+    commit the job is ready."""
     with orm.Session(engine) as session:
         jid = jobq.enqueue(session, "t")
         assert jobq.get(session, jid) is not None  # visible inside the transaction

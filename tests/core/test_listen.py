@@ -34,7 +34,7 @@ def _listening(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return conn.execute(sa.text(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener' "
-            "AND state = 'idle' AND query LIKE 'LISTEN%'")).scalar_one()
+            "AND datname = current_database() AND state = 'idle' AND query LIKE 'LISTEN%'")).scalar_one()
 
 
 def _count_ticks(worker: jobq.Worker) -> list[float]:
@@ -95,7 +95,8 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
         wait_for(lambda: _listening(admin) == 1, timeout=10, what="the listener to LISTEN")
         with admin.connect() as conn:
             killed = conn.execute(sa.text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'jobq-listener'"
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'jobq-listener' AND datname = current_database()"
             )).scalar_one()
         assert killed == 1
         jid = jobq.enqueue(engine, "t")  # during the gap: caught by the re-LISTEN poll or by polling
@@ -110,7 +111,8 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
         wait_for(lambda: silent in started.at, timeout=10, what="polling to find a silent job")
         with admin.connect() as conn:
             assert conn.execute(sa.text(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener'")).scalar_one() == 1
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = 'jobq-listener' AND datname = current_database()")).scalar_one() == 1
     finally:
         w.stop()
         t.join(10)
