@@ -1,10 +1,13 @@
-"""Small helpers shared by the suites: database snapshots and polling with a deadline."""
+"""Small helpers shared by the suites: worker options for quick tests, database snapshots,
+polling with a deadline, and the overlap and window counts that timed checks rest on.
+(tests/races/harness.py keeps its own copy of the overlap sweep, ``max_overlap``: the race
+harness runs in claimer processes and is owned with the race suite.)"""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import sqlalchemy as sa
@@ -13,9 +16,14 @@ import jobq
 
 jobs = jobq.Job.__table__
 
+deps = jobq.JobDep.__table__
+
 #: Figures a test wants in the run's output (printed at the end by tests/conftest.py).
 REPORT: list[str] = []
-deps = jobq.JobDep.__table__
+
+#: Worker options for tests that want a quick queue: tight polling, a lease no test outlives,
+#: retries without back-off.
+FAST: dict[str, Any] = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
 
 
 def snapshot(engine: sa.Engine) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -48,6 +56,18 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def peak_overlap(spans: Iterable[tuple[float, float]]) -> int:
+    """The most (start, end) spans open at one instant. A span that ends exactly when another
+    starts does not overlap it (ends sort before starts at equal times)."""
+    spans = list(spans)
+    points = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    level = peak = 0
+    for _, delta in points:
+        level += delta
+        peak = max(peak, level)
+    return peak
 
 
 def most_surely_in_window(spans: list[tuple[float, float]], window: float) -> int:

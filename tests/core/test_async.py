@@ -136,28 +136,41 @@ def test_async_worker_cancels_a_timed_out_task_and_retries(db_url: str, engine: 
 
 def test_async_worker_stops_gracefully_and_releases(db_url: str, engine: sa.Engine) -> None:
     """stop() while a handler runs past the grace period: the job goes back to ready at once,
-    without charging the attempt."""
+    without charging the attempt. The handler must have started before stop() (the test
+    fails, rather than passing on an untouched job, when nothing was claimed), and the worker
+    reports the release."""
     jid = jobq.enqueue(engine, "hang")
+    started: list[int] = []
+    actions: list[tuple[str, int]] = []
 
     async def hang(ctx: jobq.JobContext) -> None:
+        started.append(ctx.id)
         await asyncio.sleep(30)
 
     async def scenario(eng: AsyncEngine) -> None:
-        w = jobq.AsyncWorker(eng, {"hang": hang}, max_concurrency=1, poll_interval=0.05, shutdown_timeout=0.2)
+        w = jobq.AsyncWorker(eng, {"hang": hang}, max_concurrency=1, poll_interval=0.05, shutdown_timeout=0.2,
+                             on_event=lambda ev: actions.append((ev.action, ev.job_id)))
         task = asyncio.get_running_loop().create_task(w.run())
-        for _ in range(200):
-            await asyncio.sleep(0.05)
-            if w.in_flight:
-                break
-        w.stop()
-        await asyncio.wait_for(task, 20)
+        try:
+            deadline = time.monotonic() + 20
+            while not started:
+                assert time.monotonic() < deadline, "the worker never started the job"
+                assert not task.done(), "the worker's run() ended before it started the job"
+                await asyncio.sleep(0.02)
+        finally:
+            w.stop()
+            await asyncio.wait_for(task, 20)
 
     _run(scenario, db_url)
+    assert started == [jid]
+    assert ("released", jid) in actions
     info = jobq.get(engine, jid)
     assert info is not None and (info.state, info.attempts, info.lease_owner) == ("ready", 0, None)
 
 
 def test_async_worker_refuses_what_it_cannot_do(engine: sa.Engine, db_url: str) -> None:
+    """AsyncWorker refuses, when it is built, what it cannot run: a sync Engine, a sync handler and
+    the process executor, each with a ConfigError naming the problem."""
     async def ok(ctx: jobq.JobContext) -> None:
         return None
 

@@ -18,6 +18,8 @@ UTC = dt.timezone.utc
 
 
 def test_enqueue_stores_a_ready_job_with_its_args(engine: sa.Engine) -> None:
+    """A job with no upstreams is stored ready, its args (non-ASCII text, emoji, 62-bit ints,
+    nesting) and options read back exactly as given, with no attempt, result or error yet."""
     args = {"name": "café ☕ 🚀", "n": 2**62, "x": 1.5, "ok": True, "none": None, "nested": {"l": [1, "a", None]}}
     jid = jobq.enqueue(engine, "resize", args, group_key="tenant-😀", weight=3, max_attempts=5, timeout=12.5)
     info = jobq.get(engine, jid)
@@ -27,11 +29,13 @@ def test_enqueue_stores_a_ready_job_with_its_args(engine: sa.Engine) -> None:
 
 
 def test_tuples_are_stored_as_lists(engine: sa.Engine) -> None:
+    """Tuples in args, however deep, are accepted and come back as lists (their JSON form)."""
     jid = jobq.enqueue(engine, "t", {"pair": (1, 2), "deep": [(3, (4,))]})
     assert jobq.get(engine, jid).args == {"pair": [1, 2], "deep": [[3, [4]]]}  # type: ignore[union-attr]
 
 
 def test_get_returns_none_for_a_missing_job(engine: sa.Engine) -> None:
+    """get() of an id that does not exist returns None instead of raising."""
     assert jobq.get(engine, 424242) is None
 
 
@@ -91,6 +95,8 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("kwargs,message", BAD_INPUTS)
 def test_bad_input_is_refused_and_nothing_is_written(engine: sa.Engine, kwargs: dict, message: str) -> None:
+    """Each bad argument raises InvalidJob naming the problem, and the jobs and job_deps tables are
+    row for row as before the call: a partial write would show in the snapshot."""
     jobq.enqueue(engine, "existing", {"keep": 1})  # the database is not empty before
     before = snapshot(engine)
     kwargs = dict(kwargs)
@@ -101,6 +107,8 @@ def test_bad_input_is_refused_and_nothing_is_written(engine: sa.Engine, kwargs: 
 
 
 def test_a_job_cannot_be_a_child_of_a_non_container(engine: sa.Engine) -> None:
+    """parent= must name a container: a plain job as parent is refused with InvalidJob, and nothing
+    is written."""
     plain = jobq.enqueue(engine, "t")
     before = snapshot(engine)
     with pytest.raises(jobq.InvalidJob, match=f"parent {plain} is not a container"):
@@ -109,6 +117,8 @@ def test_a_job_cannot_be_a_child_of_a_non_container(engine: sa.Engine) -> None:
 
 
 def test_a_rolled_up_container_takes_no_more_children(engine: sa.Engine) -> None:
+    """A container that has rolled up (done) refuses new children with InvalidJob and nothing
+    written: a late child could no longer change its outcome."""
     box = jobq.enqueue(engine, "box", container=True)
     kid = jobq.enqueue(engine, "t", parent=box)
     lease = jobq.claim_batch(engine, "w", 30)[0]
@@ -121,6 +131,8 @@ def test_a_rolled_up_container_takes_no_more_children(engine: sa.Engine) -> None
 
 
 def test_one_bad_dependency_among_good_ones_writes_nothing(engine: sa.Engine) -> None:
+    """One unknown id among good depends_on: InvalidJob, and nothing is written (no row, no edge,
+    and the parent container's child count not bumped)."""
     good = jobq.enqueue(engine, "t")
     box = jobq.enqueue(engine, "box", container=True)
     before = snapshot(engine)
@@ -130,7 +142,9 @@ def test_one_bad_dependency_among_good_ones_writes_nothing(engine: sa.Engine) ->
 
 
 def test_enqueue_in_a_session_rolls_back_with_the_caller(engine: sa.Engine) -> None:
-    """F22: the job exists only if the caller's transaction commits."""
+    """Enqueue inside the caller's transaction: the job exists only if that transaction
+    commits. It is visible inside the transaction; after a rollback no row is left; after a
+    commit the job is ready."""
     with orm.Session(engine) as session:
         jid = jobq.enqueue(session, "t")
         assert jobq.get(session, jid) is not None  # visible inside the transaction
@@ -144,6 +158,8 @@ def test_enqueue_in_a_session_rolls_back_with_the_caller(engine: sa.Engine) -> N
 
 @only("postgresql", "mysql", "mariadb")  # on SQLite the claim would wait for the writer's lock
 def test_enqueue_on_a_connection_is_claimable_only_after_commit(engine: sa.Engine) -> None:
+    """A job enqueued on the caller's Connection is invisible to claims on other connections until
+    the caller commits, and claimable right after."""
     with engine.connect() as conn:
         jid = jobq.enqueue(conn, "t")
         assert jobq.claim(engine, "w", 30) is None  # another connection cannot see it yet
@@ -152,8 +168,9 @@ def test_enqueue_on_a_connection_is_claimable_only_after_commit(engine: sa.Engin
 
 
 def test_dependencies_on_done_failed_and_duplicate_ids(engine: sa.Engine) -> None:
-    """B4/B5/B6: done upstreams count as satisfied, duplicate edges count once, and an upstream
-    that already failed fails the new job at once instead of leaving it waiting forever."""
+    """Upstreams that already finished, and repeated ids: a done upstream counts as satisfied,
+    a repeated edge counts once, and an upstream that already failed fails the new job at once
+    (naming it) instead of leaving it waiting forever."""
     up = jobq.enqueue(engine, "t", max_attempts=1)
     other = jobq.enqueue(engine, "t", max_attempts=1)
     lease = jobq.claim_batch(engine, "w", 30)[0]
@@ -170,6 +187,8 @@ def test_dependencies_on_done_failed_and_duplicate_ids(engine: sa.Engine) -> Non
 
 
 def test_run_after_accepts_a_timedelta_from_database_now(engine: sa.Engine) -> None:
+    """run_after=timedelta counts from the database's now: the job is not claimable yet, and its
+    run_after is an hour after its created_at."""
     jid = jobq.enqueue(engine, "t", run_after=dt.timedelta(hours=1))
     assert jobq.claim(engine, "w", 30) is None
     info = jobq.get(engine, jid)

@@ -12,6 +12,8 @@ from helpers import db_now, expire_leases, snapshot, state
 
 
 def test_claim_takes_the_oldest_due_job_and_nothing_twice(engine: sa.Engine) -> None:
+    """Claims hand out due jobs oldest first, each to one claimer only, and skip a job whose
+    run_after is still ahead; the claimed row shows its owner, one attempt and in_flight."""
     first = jobq.enqueue(engine, "t")
     second = jobq.enqueue(engine, "t")
     later = jobq.enqueue(engine, "t", run_after=dt.timedelta(hours=1))
@@ -37,6 +39,8 @@ def test_only_runnable_leaves_are_claimed(engine: sa.Engine) -> None:
 
 
 def test_ready_set_is_a_plain_select_of_due_jobs(engine: sa.Engine) -> None:
+    """ready_set(now) is a plain SELECT of the jobs due at ``now`` (of some types, if asked), in id
+    order; jobs not yet due are left out."""
     a = jobq.enqueue(engine, "t")
     jobq.enqueue(engine, "t", run_after=dt.timedelta(hours=2))
     b = jobq.enqueue(engine, "u")
@@ -48,6 +52,8 @@ def test_ready_set_is_a_plain_select_of_due_jobs(engine: sa.Engine) -> None:
 
 
 def test_finalize_writes_result_and_clears_the_lease(engine: sa.Engine) -> None:
+    """finalize stores the result, marks the job done with finished_at, and clears the lease (owner,
+    expiry, in_flight)."""
     jid = jobq.enqueue(engine, "t")
     assert jobq.claim(engine, "w", 30) == jid
     jobq.finalize(engine, jid, {"answer": 42}, worker_id="w")
@@ -58,6 +64,8 @@ def test_finalize_writes_result_and_clears_the_lease(engine: sa.Engine) -> None:
 
 
 def test_finalize_by_another_worker_is_refused_and_writes_nothing(engine: sa.Engine) -> None:
+    """The fence: a worker that does not hold the lease cannot finalize the job; LeaseLost, and
+    nothing is written."""
     jid = jobq.enqueue(engine, "t")
     jobq.claim(engine, "w1", 30)
     before = snapshot(engine)
@@ -84,8 +92,9 @@ def test_a_reclaimed_job_is_never_completed_by_its_first_dispatch(engine: sa.Eng
 
 
 def test_finalize_retried_after_it_committed_is_recognised(engine: sa.Engine) -> None:
-    """F3: a COMMIT lost in flight is retried with the same token; the retry must not report
-    LeaseLost for a write that landed, and must not write twice."""
+    """A finalize whose COMMIT landed but whose answer was lost (a connection cut during the
+    COMMIT) is retried with the same token: the retry must not report LeaseLost for a write
+    that landed, and must not write twice."""
     jobq.enqueue(engine, "t")
     lease = jobq.claim_batch(engine, "w", 30)[0]
     jobq.finalize(engine, lease.id, {"v": 1}, worker_id="w", token=lease.token)
@@ -95,6 +104,8 @@ def test_finalize_retried_after_it_committed_is_recognised(engine: sa.Engine) ->
 
 
 def test_done_is_terminal(engine: sa.Engine) -> None:
+    """A done job stays done: a reclaim, and a late fail or release with the old token, change
+    nothing (the last two raise LeaseLost)."""
     jid = jobq.enqueue(engine, "t")
     lease = jobq.claim_batch(engine, "w", 30)[0]
     jobq.finalize(engine, jid, {}, worker_id="w", token=lease.token)
@@ -110,6 +121,8 @@ def test_done_is_terminal(engine: sa.Engine) -> None:
 
 
 def test_fail_retries_with_backoff_then_fails(engine: sa.Engine) -> None:
+    """fail() with attempts left puts the job back to ready after its delay (not claimable before
+    it), keeping the error; fail() on the last attempt ends it failed and out of flight."""
     jid = jobq.enqueue(engine, "t", max_attempts=2)
     lease = jobq.claim_batch(engine, "w", 30)[0]
     assert jobq.fail(engine, jid, "ValueError: bad", worker_id="w", token=lease.token, delay=3600) == "ready"
@@ -125,6 +138,7 @@ def test_fail_retries_with_backoff_then_fails(engine: sa.Engine) -> None:
 
 
 def test_release_returns_the_job_without_charging_an_attempt(engine: sa.Engine) -> None:
+    """release() gives a claimed job back: ready, attempts back to 0, no owner."""
     jid = jobq.enqueue(engine, "t")
     lease = jobq.claim_batch(engine, "w", 30)[0]
     jobq.release(engine, jid, worker_id="w", token=lease.token)
@@ -133,6 +147,8 @@ def test_release_returns_the_job_without_charging_an_attempt(engine: sa.Engine) 
 
 
 def test_heartbeat_extends_the_lease_so_reclaim_leaves_it(engine: sa.Engine) -> None:
+    """heartbeat() moves the lease's expiry ``ttl`` seconds past its ``now``; a reclaim after the
+    old expiry but before the new one leaves the job leased."""
     jid = jobq.enqueue(engine, "t")
     lease = jobq.claim_batch(engine, "w", 1)[0]
     later = lease.expires + dt.timedelta(seconds=30)
@@ -143,6 +159,9 @@ def test_heartbeat_extends_the_lease_so_reclaim_leaves_it(engine: sa.Engine) -> 
 
 
 def test_reclaim_returns_expired_jobs_and_fails_poison_ones(engine: sa.Engine) -> None:
+    """reclaim() returns jobs whose lease expired to ready while attempts are left (the attempt
+    charged, the reason in error), fails those out of attempts and their dependents with them; a
+    second reclaim finds nothing."""
     retry = jobq.enqueue(engine, "t", max_attempts=3)
     poison = jobq.enqueue(engine, "t", max_attempts=1)
     dependent = jobq.enqueue(engine, "t", depends_on=[poison])
@@ -160,6 +179,8 @@ def test_reclaim_returns_expired_jobs_and_fails_poison_ones(engine: sa.Engine) -
 
 
 def test_global_cap_limits_a_batch_claim(engine: sa.Engine) -> None:
+    """max_in_flight caps the jobs in flight across all claimers, not per call: with 4 out under a
+    cap of 4 another claimer gets none; a cap of 5 lets one more out."""
     for _ in range(6):
         jobq.enqueue(engine, "t")
     assert len(jobq.claim_batch(engine, "a", 30, limit=10, max_in_flight=4)) == 4
@@ -168,6 +189,8 @@ def test_global_cap_limits_a_batch_claim(engine: sa.Engine) -> None:
 
 
 def test_claim_arguments_are_checked(engine: sa.Engine) -> None:
+    """Bad arguments are refused before any work: a zero ttl (ConfigError), an empty worker_id and a
+    non-dict result (InvalidJob)."""
     with pytest.raises(jobq.ConfigError, match="ttl"):
         jobq.claim(engine, "w", 0)
     with pytest.raises(jobq.InvalidJob, match="worker_id"):

@@ -29,13 +29,43 @@ def _run(worker: jobq.Worker) -> threading.Thread:
     return t
 
 
+def _listening(engine: sa.Engine) -> int:
+    """How many jobq listener connections the server shows idle after their LISTEN."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener' "
+            "AND datname = current_database() AND state = 'idle' AND query LIKE 'LISTEN%'")).scalar_one()
+
+
+def _count_ticks(worker: jobq.Worker) -> list[float]:
+    """Record when each of ``worker``'s ticks ends (the run loop calls ``_safe_tick`` once a
+    round)."""
+    ends: list[float] = []
+    tick = worker._safe_tick
+
+    def counted() -> int:
+        n = tick()
+        ends.append(time.monotonic())
+        return n
+
+    worker._safe_tick = counted  # type: ignore[method-assign]
+    return ends
+
+
 @only("postgresql")  # NOTIFY is PostgreSQL's
 def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
+    """A listening worker with a 30 s poll, idle: a newly enqueued job, and a dependent released by
+    a finalize, start within seconds, because the NOTIFY woke it. A broken NOTIFY path shows as a
+    start only at the next poll: the wait times out."""
     started = Started()
     w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=30.0, listen=True)
+    ticks = _count_ticks(w)
     t = _run(w)
     try:
-        time.sleep(0.5)  # let it LISTEN and go idle
+        # Idle and listening: with a 30 s poll the loop ticks once at start and once more when
+        # the listener wakes it after its LISTEN; after that only a notification wakes it.
+        wait_for(lambda: len(ticks) >= 2 and _listening(engine) == 1, timeout=10,
+                 what="the worker to LISTEN and go idle")
         sent = time.monotonic()
         jid = jobq.enqueue(engine, "t")
         wait_for(lambda: jid in started.at, timeout=10, what="the notified worker to start the job")
@@ -52,17 +82,21 @@ def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine)
 
 @only("postgresql")
 def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_only_latency(engine: sa.Engine) -> None:
+    """The server kills the idle worker's listener connection. Correct: a job enqueued in the gap
+    still starts, the cut is reported as a db_error, a job enqueued with no NOTIFY at all is
+    found by polling, and exactly one listener is connected again. A bug shows as a job never
+    started (polling off while listening), or no listener, or two, after the reconnect."""
     started = Started()
     events: list[jobq.Event] = []
     w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=1.0, listen=True, on_event=events.append)
     t = _run(w)
     admin = sa.create_engine(engine.url)
     try:
-        time.sleep(0.5)
+        wait_for(lambda: _listening(admin) == 1, timeout=10, what="the listener to LISTEN")
         with admin.connect() as conn:
             killed = conn.execute(sa.text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE application_name = 'jobq-listener' AND datname = current_database()"
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'jobq-listener' AND datname = current_database()"
             )).scalar_one()
         assert killed == 1
         jid = jobq.enqueue(engine, "t")  # during the gap: caught by the re-LISTEN poll or by polling
@@ -77,8 +111,8 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
         wait_for(lambda: silent in started.at, timeout=10, what="polling to find a silent job")
         with admin.connect() as conn:
             assert conn.execute(sa.text(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE application_name = 'jobq-listener' AND datname = current_database()")).scalar_one() == 1
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = 'jobq-listener' AND datname = current_database()")).scalar_one() == 1
     finally:
         w.stop()
         t.join(10)
@@ -87,5 +121,7 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
 
 @only("sqlite", "mysql", "mariadb")
 def test_listen_is_refused_where_it_cannot_work(engine: sa.Engine) -> None:
+    """listen=True where there is no LISTEN/NOTIFY (SQLite, MySQL, MariaDB) is refused when the
+    Worker is built, with a ConfigError naming psycopg, instead of silently polling."""
     with pytest.raises(jobq.ConfigError, match="psycopg"):
         jobq.Worker(engine, {"t": lambda c: None}, max_concurrency=1, listen=True)

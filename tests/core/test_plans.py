@@ -54,6 +54,10 @@ def _check(name: str, plan: str) -> None:
 
 @only("sqlite", "postgresql")  # the engines with partial indexes
 def test_hot_claim_queries_use_the_partial_indexes(engine: sa.Engine) -> None:
+    """Every hot claim query (in flight per group, ready groups, group counts, candidates, expired
+    leases) is planned on an ix_jobs_ index, never on a scan of the jobs table or of a full
+    index. A bug (an index predicate the planner cannot match) shows as a SCAN jobs or Seq Scan
+    step."""
     for name, build in HOT.items():
         _check(name, _plans(engine, build(engine)))
 

@@ -12,6 +12,8 @@ from dbs import only
 
 
 def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
+    """create_schema twice: the tables exist, and jobq_meta holds exactly the schema version and the
+    claim-lock row; the second call neither fails nor duplicates them."""
     jobq.create_schema(engine)
     jobq.create_schema(engine)
     names = set(sa.inspect(engine).get_table_names())
@@ -47,6 +49,8 @@ def test_times_keep_microseconds_and_are_utc(engine: sa.Engine) -> None:
 
 
 def test_version_gate_names_found_and_needed_versions() -> None:
+    """A server older than jobq supports is refused with UnsupportedDatabase naming the version
+    found and the one needed; the minimum versions themselves pass."""
     with pytest.raises(jobq.UnsupportedDatabase, match=r"MySQL 5\.7\.44 found; jobq needs MySQL 8\.0\.1"):
         jobq._check_version("mysql", (5, 7, 44))
     with pytest.raises(jobq.UnsupportedDatabase, match=r"MariaDB 10\.5\.9 found; jobq needs MariaDB 10\.6"):
@@ -56,6 +60,8 @@ def test_version_gate_names_found_and_needed_versions() -> None:
 
 
 def test_unknown_dialect_is_refused() -> None:
+    """A database jobq does not know (a dialect named oracle here) is refused with
+    UnsupportedDatabase naming it, before anything is created."""
     eng = sa.create_engine("sqlite://")
     eng.dialect.name = "oracle"  # the name is all jobq looks at before connecting
     with pytest.raises(jobq.UnsupportedDatabase, match="oracle"):
@@ -75,6 +81,8 @@ def test_mariadb_is_recognised_through_a_mysql_url(dialect: str) -> None:
 
 @only("postgresql")  # storage parameters are PostgreSQL's
 def test_the_jobs_table_is_tuned_for_churn(engine: sa.Engine) -> None:
+    """On PostgreSQL the jobs table is created with fillfactor=70 and a low autovacuum scale factor,
+    for its constant updates."""
     with engine.connect() as conn:
         opts = conn.exec_driver_sql("SELECT reloptions FROM pg_class WHERE relname = 'jobs'").scalar_one()
     assert "fillfactor=70" in opts and "autovacuum_vacuum_scale_factor=0.02" in opts

@@ -29,6 +29,11 @@ def _schema_1() -> sa.MetaData:
 
 
 def test_a_schema_1_database_is_upgraded_in_place_and_keeps_working(engine: sa.Engine) -> None:
+    """A database created by schema version 1, holding ready, done and rate-limit rows, is upgraded
+    in place by create_schema (twice: idempotent): the new column and indexes appear, the version
+    reads 2, old rate-limit starts still count, and a Worker runs the old ready jobs to done. A
+    broken upgrade shows as a missing column or index, lost rows, or a worker that fails on the
+    old data."""
     jobq.Base.metadata.drop_all(engine)
     old = _schema_1()
     old.create_all(engine)
@@ -74,6 +79,8 @@ def test_a_schema_1_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
 
 
 def test_a_database_from_a_newer_jobq_is_refused(engine: sa.Engine) -> None:
+    """A database whose schema_version is newer than this jobq.py is refused with a JobqError saying
+    so, rather than used or downgraded."""
     with engine.begin() as conn:
         conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value="99"))
     try:

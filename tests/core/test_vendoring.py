@@ -29,6 +29,8 @@ print(sorted(m for m in sys.modules if m.split(".")[0] not in sys.stdlib_module_
 
 
 def test_module_level_imports_are_stdlib_and_sqlalchemy_only() -> None:
+    """jobq.py's top-level imports (read from its AST) are the standard library and SQLAlchemy,
+    nothing else."""
     tree = ast.parse((ROOT / "jobq.py").read_text())
     roots = set()
     for node in tree.body:
@@ -63,6 +65,8 @@ def test_jobq_copied_alone_runs_a_dag_with_only_sqlalchemy(tmp_path: pathlib.Pat
 
 
 def test_quickstart_scenario_runs_and_reports(tmp_path: pathlib.Path) -> None:
+    """scenarios/quickstart.py runs on SQLite, exits 0 and prints what it shows: the failed first
+    attempt, the retried part, and 'all done' last."""
     out = subprocess.run([sys.executable, str(ROOT / "scenarios" / "quickstart.py"), "--url", f"sqlite:///{tmp_path / 'q.db'}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -6,7 +6,8 @@ import collections
 import pathlib
 import subprocess
 import sys
-import time
+
+from helpers import wait_for
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -40,8 +41,5 @@ def events(logdir: pathlib.Path) -> list[tuple[str, int]]:
 
 
 def wait_file(path: pathlib.Path, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {path.name}")
-        time.sleep(0.01)
+    """Wait for a marker file a worker process creates (e.g. started-JOB-ATTEMPT)."""
+    wait_for(path.exists, timeout=timeout, interval=0.01, what=path.name)

@@ -1,4 +1,4 @@
-"""The worker machine's wall clock jumps an hour while jobs run (test plan F13).
+"""The worker machine's wall clock jumps an hour, forward or back, while jobs run.
 
 jobq takes every time it stores or compares from the database (carried forward on the
 monotonic clock between readings), so a jump of this machine's wall clock must change
@@ -91,7 +91,8 @@ def test_a_wall_clock_jump_neither_expires_nor_stretches_a_lease(engine: sa.Engi
     SQLite: a jump of the machine's clock is a jump of the database's clock, seen by every
     process at once. Back: nothing expires early either. Forward: the database's time passed
     A's lease, so B may re-run J1; what must still hold is one completion (A's late finalize
-    is fenced)."""
+    is fenced). A worker on the machine's clock shows as J1 run twice (forward) or J2's lease
+    outside (0, TTL + 1] of the database's now (back): the test below runs that variant."""
     o = _run(engine, hours)
     bad = _violations(o)
     REPORT.append(f"wall clock {hours:+d} h {dialect}: J1 runs {o['j1_runs']}, "

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 import jobq
 from dbs import only
 from helpers import REPORT, wait_for
-from procs import events, finalized, start
+from procs import events, executions, finalized, start
 
 jobs = jobq.Job.__table__
 
@@ -54,11 +54,21 @@ def _hold_sqlite_lock(url: str, seconds: float) -> int:
     return 1
 
 
+def _assert_each_done_once(engine: sa.Engine, ids: list[int], logdir: pathlib.Path) -> None:
+    """Every job in ``ids`` is done, and the worker logged no job's finalize commit twice."""
+    with engine.connect() as conn:
+        states = dict(conn.execute(sa.select(jobs.c.id, jobs.c.state)).all())
+    assert [i for i in ids if states[i] != "done"] == [], "a job was lost"
+    assert [i for i, n in finalized(logdir).items() if n > 1] == [], "a job was finalized twice"
+
+
 def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url: str, tmp_path: pathlib.Path) -> None:
     """A worker process drains 200 jobs while its connections are cut at least five times
     (pg_terminate_backend / KILL CONNECTION; on SQLite the write lock is held past every retry).
     Correct: the process reruns each transaction that lost its connection before COMMIT (or
-    logs db_error and backs off), finishes with exit 0; every job done, no job finalized twice."""
+    logs db_error and backs off), finishes with exit 0; every job done, no job finalized twice.
+    A bug shows as a worker that died of a cut (non-zero exit), a job not done (lost), or a
+    second finalize line for one job (completed twice)."""
     with engine.begin() as conn:
         # 200 x 50 ms over 3 slots is >= 3.3 s of work: long enough for five cuts to land
         # before the queue drains (the cut loop below does not rely on that alone).
@@ -71,10 +81,14 @@ def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url
     try:
         # Keep cutting until five cuts hit at least one of the worker's connections (a cut
         # that lands while the worker is between connections kills nothing and is not counted).
+        ran = 0
         for _ in range(40):
             if cuts >= 5 or p.poll() is not None:
                 break
-            time.sleep(0.4)
+            # Cut a worker that is working: wait until it has started a job since the last cut.
+            wait_for(lambda ran=ran: p.poll() is not None or sum(executions(tmp_path).values()) > ran, timeout=60,
+                     what="the worker to start a job since the last cut")
+            ran = sum(executions(tmp_path).values())
             n = _hold_sqlite_lock(db_url, 1.8) if db_url.startswith("sqlite") else _kill_connections(admin)
             cuts += n > 0
             killed += n
@@ -83,10 +97,7 @@ def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url
         if p.poll() is None:
             p.kill()
         admin.dispose()
-    with engine.connect() as conn:
-        states = dict(conn.execute(sa.select(jobs.c.id, jobs.c.state)).all())
-    assert [i for i in ids if states[i] != "done"] == []
-    assert [i for i, n in finalized(tmp_path).items() if n > 1] == []
+    _assert_each_done_once(engine, ids, tmp_path)
     assert cuts >= 3, "the worker's connections were not cut: the test proved nothing"
     # Whether a cut surfaces as an error depends on timing (a cut before COMMIT is rerun on a
     # fresh connection; one during COMMIT, or on SQLite, is an error); report it, not require it.
@@ -105,7 +116,8 @@ def test_a_cut_while_jobq_first_connects_to_a_server_is_retried(engine: sa.Engin
     one, like any transaction's first connect; before, it raised out of Worker() and the
     worker process died (CI caught it on MariaDB: 'Lost connection ... SELECT
     @@lower_case_table_names'). Each round: a fresh engine whose first connection a killer
-    cuts as soon as it appears. Correct: every round prepares the engine."""
+    cuts as soon as it appears. Correct: every round prepares the engine. A bug shows as the
+    driver's error raised out of the first connect in a round where the cut landed."""
     connect_args = {"application_name": "jobq-crash-worker"} if engine.dialect.name == "postgresql" else {}
     admin = sa.create_engine(db_url)
     landed = rounds = 0
@@ -233,9 +245,10 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
     """The database server is shut down mid-run (every connection dies), stays down for two
     seconds (new connections are refused), and starts again. Correct: the worker logs
     db_error, backs off, reconnects and finishes with exit 0; every job done, none finalized
-    twice. Needs the local server run as in CI (root; pg_ctlcluster, start-stop-daemon
-    mariadbd, .ci/mysql-server.sh). Connection cuts without a restart are the test above, on
-    every engine."""
+    twice. A bug shows as a worker that exits non-zero (or never notices: no db_error), a job
+    not done, or one finalized twice. Needs the local server run as in CI (root; pg_ctlcluster,
+    start-stop-daemon mariadbd, .ci/mysql-server.sh). Connection cuts without a restart are
+    the test above, on every engine."""
     control = _server_control(dialect, db_url)
     if control is None:
         pytest.skip(f"needs a local {dialect} server that this test may stop and start, run as root (as in CI)")
@@ -245,7 +258,8 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
     engine.dispose()
     p = start(db_url, tmp_path, "--concurrency", "3", "--ttl", "3.0", "--until-idle", "180")
     try:
-        time.sleep(1.0)
+        wait_for(lambda: p.poll() is not None or any(tmp_path.glob("started-*")), timeout=60,
+                 what="the worker to start a job")
         assert p.poll() is None, "the worker finished before the restart: the test proved nothing"
         subprocess.run(stop, check=True, timeout=120, capture_output=True)
         wait_for(lambda: not _answers(ping), 60, 0.25, f"{dialect} to stop")
@@ -260,10 +274,7 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
         if p.poll() is None:
             p.kill()
     engine.dispose()  # the pool's connections died with the server
-    with engine.connect() as conn:
-        states = dict(conn.execute(sa.select(jobs.c.id, jobs.c.state)).all())
-    assert [i for i in ids if states[i] != "done"] == []
-    assert [i for i, n in finalized(tmp_path).items() if n > 1] == []
+    _assert_each_done_once(engine, ids, tmp_path)
     errors = sum(1 for a, _ in events(tmp_path) if a == "db_error")
     assert errors >= 1, "the worker never noticed the server was gone"
     REPORT.append(f"server restart {dialect}: down 2 s, {errors} db_error events, {len(ids)} jobs done once")
@@ -272,7 +283,9 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
 @only("mysql", "mariadb")  # error 1205: InnoDB rolls back only the statement, jobq the whole unit
 def test_lock_wait_timeout_in_the_claim_is_retried_whole(engine: sa.Engine) -> None:
     """Another session holds the claim lock past innodb_lock_wait_timeout=1: the claim gets
-    1205, rolls back entirely and retries until the lock is free. No partial claim commits."""
+    1205, rolls back entirely and retries until the lock is free. No partial claim commits. A
+    bug shows as the 1205 error raised to the caller, or as more than one attempt charged to
+    the job (a partial claim committed before the retry)."""
     sa.event.listen(engine, "connect", lambda dbapi, rec: dbapi.cursor().execute("SET SESSION innodb_lock_wait_timeout = 1"))
     jid = jobq.enqueue(engine, "t")
     blocker = engine.connect()
@@ -291,7 +304,8 @@ def test_lock_wait_timeout_in_the_claim_is_retried_whole(engine: sa.Engine) -> N
 @only("postgresql", "mysql", "mariadb")
 def test_real_deadlocks_are_classified_retryable(engine: sa.Engine) -> None:
     """Two sessions lock two rows in opposite order; the server kills one with a deadlock error
-    (40P01 / 1213). jobq must classify exactly that error as retryable."""
+    (40P01 / 1213). jobq must classify exactly that error as retryable, and not an integrity
+    error. A bug shows as a real deadlock that jobq would raise instead of rerunning."""
     a_id = jobq.enqueue(engine, "t")
     b_id = jobq.enqueue(engine, "t")
     d = jobq._prepare(engine)
@@ -322,7 +336,8 @@ def test_real_deadlocks_are_classified_retryable(engine: sa.Engine) -> None:
 @only("sqlite")  # servers: see the lock-wait-timeout test
 def test_claim_retry_gives_up_cleanly_when_the_database_stays_locked(engine: sa.Engine, db_url: str) -> None:
     """A database that never frees its lock: the error surfaces after bounded retries (no hot
-    loop, no endless wait) and the queue is unchanged."""
+    loop, no endless wait) and the queue is unchanged. A bug shows as a claim that does not
+    return within 10 s, or a job that is no longer claimable once the lock is freed."""
     jobq.enqueue(engine, "t")
     c = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
     c.execute("BEGIN IMMEDIATE")

@@ -163,6 +163,8 @@ def test_random_dags_end_as_the_model_says(dialect: str, jobs: list[dict]) -> No
 
 
 def test_regression_container_failing_from_a_failed_child_with_a_gated_sibling(dialect: str) -> None:
+    """Found by Hypothesis: in a container, one child fails and a sibling depends on it; the
+    sibling, the container and the container's dependent must all end failed, none left waiting."""
     execute(dialect, [
         {"container": True, "parent": None, "deps": [], "fails": 0, "max_attempts": 1},
         {"container": False, "parent": 0, "deps": [], "fails": 1, "max_attempts": 1},
@@ -182,6 +184,8 @@ def test_regression_child_depending_on_work_that_waits_for_its_container(dialect
 
 
 def test_enqueue_refuses_the_same_deadlock_one_job_at_a_time(engine: sa.Engine) -> None:
+    """enqueue refuses, one job at a time, the deadlock submit refuses as a graph: a child that
+    depends on its container's dependent, or on its container, could never run."""
     box = jobq.enqueue(engine, "t", container=True)
     after_box = jobq.enqueue(engine, "t", depends_on=[box])
     with pytest.raises(jobq.InvalidJob, match=f"container {box}"):
@@ -191,6 +195,9 @@ def test_enqueue_refuses_the_same_deadlock_one_job_at_a_time(engine: sa.Engine) 
 
 
 def test_regression_nested_container_gated_by_the_outer_containers_upstream(dialect: str) -> None:
+    """An upstream that fails twice, then succeeds, gates a container holding a nested container:
+    the innermost child must not start before that upstream's third attempt is done, and
+    everything ends done."""
     execute(dialect, [
         {"container": False, "parent": None, "deps": [], "fails": 2, "max_attempts": 3},
         {"container": True, "parent": None, "deps": [0], "fails": 0, "max_attempts": 1},

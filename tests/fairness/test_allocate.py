@@ -36,6 +36,8 @@ def _alloc(s):
 
 @given(situations())
 def test_bounded_by_free_ready_and_caps(s) -> None:
+    """allocate never hands out more than the free slots, and gives each group it chooses at least
+    one and at most what it has ready within its cap."""
     free, ready, weights, in_flight, caps, last = s
     out = _alloc(s)
     assert sum(out.values()) <= free
@@ -101,6 +103,8 @@ def test_max_min_fair_up_to_one_slot(s) -> None:
 
 @given(situations(), st.randoms())
 def test_deterministic_whatever_the_input_order(s, rnd) -> None:
+    """allocate's answer depends on its inputs only: not on the order of the ready mapping, and the
+    same when asked twice."""
     free, ready, weights, in_flight, caps, last = s
     keys = list(ready)
     rnd.shuffle(keys)
@@ -120,6 +124,8 @@ def test_proportional_split_counts_in_flight_work() -> None:
 
 
 def test_fair_share_returns_the_oldest_jobs_of_each_group() -> None:
+    """fair_share picks each group's oldest candidates within its share (2:1 over 3 slots: a1, a2,
+    b1), nothing for 0 slots, and every candidate when slots are plentiful."""
     cands = {"a": ["a1", "a2", "a3"], "b": ["b1", "b2"]}
     assert jobq.fair_share(cands, 3, weights={"a": 2, "b": 1}) == ["a1", "a2", "b1"]
     assert jobq.fair_share(cands, 0) == []

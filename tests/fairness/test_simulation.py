@@ -43,6 +43,8 @@ def share_bound(weights: dict[str, int], slots: int) -> float:
 @example(({"g0": 6, "g1": 1, "g2": 1, "g3": 1}, {"g0": 1, "g1": 1, "g2": 1, "g3": 1}, 4))
 @example(({"g0": 50, "g1": 1, "g2": 1}, {"g0": 1, "g1": 1, "g2": 1}, 5))
 def test_long_run_share_follows_weights(load) -> None:
+    """With every group backlogged, each group's share of slot-time stays within share_bound of its
+    weight share (see the module docstring), over generated weights, durations and slot counts."""
     weights, durations, slots = load
     res = simulate(weights, durations, slots, ticks=300)
     total, wsum = sum(res.slot_time.values()), sum(weights.values())
@@ -62,6 +64,8 @@ def test_shares_are_exact_to_rounding_once_every_group_has_a_slot_of_share() -> 
 @settings(max_examples=60)
 @given(loads(), st.integers(1, 4))
 def test_no_backlogged_group_waits_more_than_g_minus_1_grants(load, scarce) -> None:
+    """With fewer slots than groups, a backlogged group with nothing in flight is passed over by at
+    most G - 1 grants, whatever the weights and durations."""
     weights, durations, _ = load
     slots = max(1, min(scarce, len(weights)))  # fewer slots than groups: turns matter
     res = simulate(weights, durations, slots, ticks=200)
@@ -142,4 +146,6 @@ class ShiftingLoad(RuleBasedStateMachine):
 
 
 def test_shifting_load_state_machine() -> None:
+    """ShiftingLoad: as groups join, drain and change weight, the allocation stays within slots and
+    caps, picks only groups with ready work, and serves idle groups in turn."""
     run_state_machine_as_test(ShiftingLoad, settings=settings(max_examples=80, stateful_step_count=40, deadline=None))
