@@ -55,7 +55,7 @@ N_RATED = 100  # >= 8 s of the rated group's claims, running alongside the rest
 SHARES = {"g0": 0.10, "g1": 0.15, "g2": 0.35, "g3": 0.40}  # of the jobs not in the rated group
 TTL = 600.0  # no lease may expire during the race: every second claim would be a double dispatch
 START_DEADLINE = 120.0  # seconds for every worker to reach the start barrier
-RUN_DEADLINE = 600.0 * ROUNDS  # seconds for every worker to finish its claims
+RUN_DEADLINE = 1800.0 * ROUNDS  # a hang guard, not a timed check: a loaded 2-core box took 8+ min
 
 
 def _shared_dir(factory: pytest.TempPathFactory) -> pathlib.Path:
