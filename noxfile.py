@@ -90,7 +90,34 @@ def _engine_sessions(kind: str, paths: list[str], doc: str, parallel: bool = Fal
 
 
 _engine_sessions("tests", CONFORMANCE, "The conformance suite on {engine} only, in parallel.", parallel=True)
-_engine_sessions("races", ["tests/races"], "Race suite on {engine}: no double dispatch, a hard global cap, broken variants caught.")
+
+
+def _race_sessions() -> None:
+    # Two pytest runs: the xdist race (every worker a claimer on one queue, so --dist each, and
+    # `-- -n 8` or JOBQ_RACE_WORKERS sets the workers), then the per-test harness without -n.
+    for short, dialect in ENGINES.items():
+
+        def make(short: str = short, dialect: str = dialect) -> None:
+            def run(session: nox.Session) -> None:
+                session.install(*TEST_DEPS, "pytest-xdist")
+                rest, skip = [], False
+                for a in session.posargs:  # the harness's own processes are its claimers: no -n for it
+                    if not skip and not a.startswith(("-n", "--numprocesses")):
+                        rest.append(a)
+                    skip = a in ("-n", "--numprocesses")
+                workers = os.environ.get("JOBQ_RACE_WORKERS", "4")
+                session.run("pytest", "-p", "xdist", "-n", workers, "--dist", "each", "tests/races/xdist",
+                            *session.posargs, env=_env(dialect))
+                session.run("pytest", "tests/races", "--ignore=tests/races/xdist", *rest, env=_env(dialect))
+
+            run.__doc__ = (f"Race suite on {short}: xdist workers racing on one queue, then no double dispatch, "
+                           "caps, broken variants caught.")
+            nox.session(name=f"races-{short}", default=False)(run)
+
+        make()
+
+
+_race_sessions()
 _engine_sessions("crash", ["tests/crash"], "Crash suite on {engine}: SIGKILLed workers, zombies, timeouts, database faults.")
 
 

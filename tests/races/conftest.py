@@ -1,10 +1,28 @@
-"""Collects the race figures and prints the summary table at the end of the run."""
+"""Collects the race figures and prints the summary table at the end of the run.
+
+Under pytest-xdist the rows are made on the workers: each worker hands its rows to the
+controller in ``workeroutput`` when it finishes, and the controller prints them all.
+"""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import pytest
 
 from harness import SUMMARY
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = getattr(session.config, "workeroutput", None)  # set on xdist workers only
+    if out is not None:
+        out["race_summary"] = json.dumps(SUMMARY)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the controller hears a worker finish
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    SUMMARY.extend(json.loads(getattr(node, "workeroutput", {}).get("race_summary", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

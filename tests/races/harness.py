@@ -26,6 +26,11 @@ SUMMARY: list[dict[str, object]] = []
 
 ROUNDS = max(1, int(os.environ.get("JOBQ_RACE_ROUNDS", "1")))  # scale runs up to verify an engine longer
 
+# Claims are proven inside a window only by their whole (asked, answered) span, so no slack
+# for scheduling delays is needed; 5 ms covers microsecond rounding of logged times and drift
+# between the database's clock and this machine's monotonic one over a window.
+CLOCK_MARGIN = 0.005
+
 jobs = jobq.Job.__table__
 _ctx = mp.get_context("spawn")  # fresh interpreters: no engine or lock inherited across fork
 

@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 from dbs import only
-from harness import ROUNDS, SUMMARY, run_drain, run_last_slot
+from harness import CLOCK_MARGIN, ROUNDS, SUMMARY, run_drain, run_last_slot
 from helpers import most_surely_in_window
 
 TRIALS = 2  # each broken variant runs twice; if neither caught it, up to MAX_TRIALS
@@ -137,12 +137,6 @@ def test_harness_catches_an_async_cap_checked_outside_the_claim(db_url: str, dia
     claim in the next overspend the cap."""
     _trials(db_url, dialect, tmp_path, "async_cap_outside_claim", lambda r: r.max_overlap > 3,
             n_jobs=200, cap=3, hold=0.005, batch_max=3)
-
-
-# Claims are proven inside a window only by their whole (asked, answered) span, so no slack
-# for scheduling delays is needed; 5 ms covers microsecond rounding of logged times and drift
-# between the database's clock and this machine's monotonic one over a window.
-CLOCK_MARGIN = 0.005
 
 
 def test_rate_limit_holds_under_contention(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:

@@ -1,0 +1,49 @@
+"""The xdist race catches a broken claim: run it in a subprocess with a deliberately broken
+variant and require that it fails, with duplicates in its figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from harness import SUMMARY
+
+XDIST_RACE = pathlib.Path(__file__).parent / "xdist"
+TRIALS = 3  # one run almost always catches it; a run that does not is tried again
+
+
+def run_xdist_race(dialect: str, tmp: pathlib.Path, variant: str, jobs: int, workers: int = 4) -> tuple[int, str, dict]:
+    """``pytest -n workers --dist each tests/races/xdist`` with ``variant``; (exit code, output, figures)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = tmp / f"bt-{variant}"
+    env = {**os.environ, "JOBQ_TEST_DIALECTS": dialect, "JOBQ_RACE_VARIANT": variant, "JOBQ_RACE_JOBS": str(jobs)}
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "xdist", "-n", str(workers), "--dist", "each", "-p", "no:cacheprovider",
+         f"--basetemp={base}", str(XDIST_RACE)],
+        env=env, capture_output=True, text=True, timeout=500,
+    )
+    results = list(base.glob(f"xrace-*/{dialect}/result.json"))
+    assert len(results) == 1, f"no figures from the xdist race:\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
+    return p.returncode, p.stdout, json.loads(results[0].read_text())
+
+
+@pytest.mark.timeout(TRIALS * 520)
+def test_xdist_race_catches_read_then_update(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    """4 xdist workers x 4 threads drain 600 jobs with variants.read_then_update (the ready set
+    read in one transaction, leased blind in the next). Correct harness: the run fails, and its
+    figures show jobs in two claimers' logs (duplicates > 0). A harness that passed it, or
+    failed it for another reason only, could not tell a broken claim from jobq's."""
+    caught = trials = 0
+    while trials < 1 or (not caught and trials < TRIALS):
+        trials += 1
+        code, out, res = run_xdist_race(dialect, tmp_path / str(trials), "read_then_update", jobs=600)
+        caught += code == pytest.ExitCode.TESTS_FAILED and res["duplicates"] > 0 and "duplicates" in out
+    SUMMARY.append({"engine": dialect, "check": "BROKEN xdist read_then_update", "claimers": f"{res['workers']}x{res['threads']}",
+                    "claims": res["claims"], "dups": res["duplicates"], "lost": res["lost"],
+                    "overlap": f"{res['db_peak']}/32", "secs": f"{res['seconds']:.1f}", "caught": f"{caught}/{trials}"})
+    assert caught, f"the xdist race passed read_then_update (exit {code}): {res}"
