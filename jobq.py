@@ -739,7 +739,7 @@ def _q_graph_nodes(ids: Sequence[int]) -> sa.Select[Any]:
     return sa.select(_c.id, _c.type, _c.state, _c.parent_id, _c.is_container).where(_c.id.in_(list(ids)))
 
 
-def _q_upstreams_of(ids: Sequence[int]) -> sa.Select[Any]:
+def _q_upstream_ids_of(ids: Sequence[int]) -> sa.Select[Any]:
     return sa.select(_deps.c.depends_on_id).where(_deps.c.job_id.in_(list(ids)))
 
 
@@ -1412,6 +1412,17 @@ _SCHEMA_LOCK_NAME = "jobq_schema"
 def _listen_supported(engine: Engine) -> bool:
     """LISTEN needs PostgreSQL through psycopg (3), whose connections jobq opens itself."""
     return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+
+
+def _missing_database_file(engine: Engine) -> str | None:
+    """The path of an embedded (SQLite) database file that does not exist yet, else None: a
+    connection there would create an empty file (the CLI refuses that for a mistyped path)."""
+    url = engine.url
+    path = url.database
+    if (engine.dialect.name == "sqlite" and path and path != ":memory:" and not path.startswith("file:")
+            and "uri" not in url.query and not os.path.exists(path)):
+        return path
+    return None
 
 
 def _local_clock(engine: Engine) -> bool:
@@ -5112,10 +5123,8 @@ def _check_database(engine: Engine, command: str) -> None:
     SQLite, connecting to a mistyped path would create an empty file there."""
     if command == "init":
         return
-    url = engine.url
-    path = url.database
-    if (engine.dialect.name == "sqlite" and path and path != ":memory:" and not path.startswith("file:")
-            and "uri" not in url.query and not os.path.exists(path)):
+    path = _missing_database_file(engine)
+    if path is not None:
         raise _CliError(f"no SQLite database at {path}: check the path, or create it with `jobq init`", _EXIT_DATABASE)
     _prepare(engine)
     with engine.connect() as conn:
@@ -5179,7 +5188,7 @@ def _graph_data(conn: Connection, root: int | None, limit: int = 500) -> tuple[l
         ids = list(conn.execute(_q_newest_ids(limit)).scalars())
     else:
         ids = _subtree(conn, root)
-        ups = list(conn.execute(_q_upstreams_of(ids[:limit])).scalars())
+        ups = list(conn.execute(_q_upstream_ids_of(ids[:limit])).scalars())
         downs = list(conn.execute(_q_dependents_of(ids[:limit])).scalars())
         ids = list(dict.fromkeys(ids + ups + downs))[:limit]
     rows = sorted(conn.execute(_q_graph_nodes(ids)).all(), key=lambda r: r.id)
