@@ -1121,9 +1121,10 @@ def _q_reclaimed(ids: list[int]) -> sa.Select[Any]:
 
 
 def _q_busy_or_due(types: Sequence[str], now: _dt.datetime) -> sa.Select[Any]:
-    # run_until_idle's test: work of these types that is due, leased or running. A job
-    # scheduled for later is not due: it must not keep the worker ticking.
-    due = sa.and_(_state_is("ready"), _c.run_after <= now)
+    # run_until_idle's test: work of these types that is due, leased or running, or ready again
+    # after an attempt (a retry backing off is part of running the job). A job first scheduled
+    # for later is not due: it must not keep the worker ticking.
+    due = sa.and_(_state_is("ready"), sa.or_(_c.run_after <= now, _c.attempts > 0))
     return sa.select(_c.id).where(sa.or_(due, _state_is("leased", "running")), _c.type.in_(list(types))).limit(1)
 
 
@@ -2033,6 +2034,12 @@ def _check_age(value: Any, what: str) -> _dt.timedelta:
     return _check_timedelta(value, what, ConfigError, negative=False)
 
 
+def _one_line(value: Any) -> str:
+    """The first line of ``value``'s text, at most 300 characters (errors in logs and messages)."""
+    text = str(value).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
 def _utcnow() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc).replace(tzinfo=None)
 
@@ -2619,6 +2626,10 @@ def get(engine: Engine | Connection | orm.Session, job_id: int) -> JobInfo | Non
     Returns:
         A :class:`JobInfo` whose datetimes are aware, in UTC; or None.
     """
+    try:
+        job_id = _as_id(job_id, "job_id")
+    except InvalidJob:
+        return None  # an id no job can have
 
     def read(conn: Connection) -> JobInfo | None:
         row = conn.execute(_q_job(job_id)).mappings().first()
@@ -3251,6 +3262,7 @@ def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> s
     Raises:
         InvalidJob: no such job.
     """
+    job_id = _as_id(job_id, "job_id")
 
     def run(conn: Connection, d: _Dialect) -> str:
         t = now or d.db_now(conn)
@@ -3302,6 +3314,7 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> li
             upstream of a closed container around it) is failed or cancelled (retry that one
             first).
     """
+    job_id = _as_id(job_id, "job_id")
 
     def run(conn: Connection, d: _Dialect) -> list[int]:
         t = now or d.db_now(conn)
@@ -3401,6 +3414,7 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
     Returns:
         How many jobs were deleted.
     """
+    older_than = _check_age(older_than, "older_than")
     bad = [st for st in states if st not in TERMINAL]
     if bad:
         raise ConfigError(f"prune: only finished states can be pruned, not {bad}")
@@ -3457,6 +3471,7 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
     so it reports what the queue knows: the due jobs ahead of it in its group, how many jobs
     are in flight, in its group and overall, and by which workers. Times are ISO 8601 UTC.
     """
+    job_id = _as_id(job_id, "job_id")
     d = _prepare(engine)
     with engine.connect() as conn:
         t = now or d.db_now(conn)
@@ -3580,6 +3595,7 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
         finished_at), ``now`` (the database clock), and ``totals`` if asked for. Times are
         naive UTC, as stored.
     """
+    window = _check_age(window, "window")
     d = _prepare(engine)
     with engine.connect() as conn:
         now = d.db_now(conn)
@@ -3752,6 +3768,10 @@ class _Clock:
         return self._anchor[0] + _dt.timedelta(seconds=m - self._anchor[1])
 
 
+#: Seconds after a notified tick before the loop looks again (see Worker._run_steps).
+_NOTIFY_RECHECK = 0.2
+
+
 def _worker_id() -> str:
     return f"{socket.gethostname()[:80]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -3895,6 +3915,7 @@ class _WorkerCore:
         self._finished: deque[tuple[_Running, str, Any]] = deque()
         self._busy = 0  # handlers running, including abandoned ones
         self._wake = threading.Event()
+        self._notified = False  # the listener woke the loop since its last tick
         self._stopping = threading.Event()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -3919,10 +3940,15 @@ class _WorkerCore:
     def _run_steps(self) -> Generator[Any, Any, None]:
         while not self._stopping.is_set():
             began = time.monotonic()
+            notified, self._notified = self._notified, False
             yield self._safe_tick
             # Poll on a fixed period measured from the start of the tick, so a job enqueued
-            # just after a poll waits at most one interval plus one tick.
-            yield max(0.0, self._pause() - (time.monotonic() - began))
+            # just after a poll waits at most one interval plus one tick. After a notification,
+            # look once more soon: the claim skips rows another transaction has locked (an
+            # enqueue share-locks the upstreams it depends on), so the notified job may have
+            # been passed over, and its notification is already spent.
+            pause = min(self._pause(), _NOTIFY_RECHECK) if notified else self._pause()
+            yield max(0.0, pause - (time.monotonic() - began))
             yield from self._gather_steps()
         yield from self._drain_steps(self.shutdown_timeout)
 
@@ -4524,8 +4550,9 @@ class Worker(_WorkerCore):
 
     def run_until_idle(self, timeout: float | None = None) -> bool:
         """Tick until idle: nothing of this worker's types is due (``ready`` with its
-        ``run_after`` passed), leased or running, and none of its handlers is busy. Jobs
-        scheduled for later, or waiting on upstreams, do not keep it ticking. Returns True when
+        ``run_after`` passed), retrying (``ready`` again after an attempt, backing off), leased
+        or running, and none of its handlers is busy. Jobs first scheduled for later, or waiting
+        on upstreams, do not keep it ticking. Returns True when
         idle, False if ``timeout`` seconds passed (unfinished jobs are then released, as by a
         graceful stop)."""
         self._start_heartbeats()
@@ -4671,6 +4698,7 @@ class Worker(_WorkerCore):
                 delay = 0.1
                 while not stop.is_set():
                     for _ in conn.notifies(timeout=0.5, stop_after=1):
+                        self._notified = True
                         self._wake.set()
             except Exception as exc:  # noqa: BLE001 - the listener must outlive every database fault
                 _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error="listener: " + _one_line(exc)))
@@ -4692,11 +4720,6 @@ def _format_error(exc: BaseException) -> str:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     head = f"{type(exc).__name__}: {exc}"
     return (head + "\n" + tb[-(_ERROR_LIMIT - len(head) - 1) :])[:_ERROR_LIMIT]
-
-
-def _one_line(value: Any) -> str:
-    text = str(value).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 # =============================================================================================

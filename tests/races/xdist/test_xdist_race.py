@@ -55,6 +55,7 @@ N_RATED = 100  # >= 8 s of the rated group's claims, running alongside the rest
 SHARES = {"g0": 0.10, "g1": 0.15, "g2": 0.35, "g3": 0.40}  # of the jobs not in the rated group
 TTL = 600.0  # no lease may expire during the race: every second claim would be a double dispatch
 START_DEADLINE = 120.0  # seconds for every worker to reach the start barrier
+SEED_DEADLINE = 900.0  # a hang guard for seeding: Oracle MySQL inserts one row at a time (no RETURNING)
 RUN_DEADLINE = 1800.0 * ROUNDS  # a hang guard, not a timed check: a loaded 2-core box took 8+ min
 
 
@@ -222,7 +223,7 @@ class _Claimers:
             self.errors.append(e)
 
 
-@pytest.mark.timeout(RUN_DEADLINE + 2 * START_DEADLINE)
+@pytest.mark.timeout(RUN_DEADLINE + SEED_DEADLINE + 2 * START_DEADLINE)
 def test_claimers_on_every_xdist_worker_share_one_queue(dialect: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every xdist worker x THREADS claimers drain N_JOBS (10,000 x JOBQ_RACE_ROUNDS) from one
     queue under max_in_flight=32, group caps g0<=2 and g1<=3, and 20 claims per 2 s of group
@@ -249,7 +250,7 @@ def test_claimers_on_every_xdist_worker_share_one_queue(dialect: str, tmp_path_f
             except BaseException as e:
                 _write_atomic(shared / "seeded.json", {"error": repr(e)})
                 raise
-        _wait_files(shared, "seeded.json", 1, START_DEADLINE, "seeding")
+        _wait_files(shared, "seeded.json", 1, SEED_DEADLINE, "seeding")
         phases["seeded"] = time.monotonic()
         claimers = _Claimers(url, VARIANT)
         _write_atomic(shared / f"{WORKER}.arrived", me)
