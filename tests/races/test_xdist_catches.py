@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from dbs import only
 from harness import SUMMARY
 
 XDIST_RACE = pathlib.Path(__file__).parent / "xdist"
@@ -32,6 +33,11 @@ def run_xdist_race(dialect: str, tmp: pathlib.Path, variant: str, jobs: int, wor
     return p.returncode, p.stdout, json.loads(results[0].read_text())
 
 
+# Shown on SQLite and PostgreSQL. On MySQL the broken claim's blind updates of the same rows
+# deadlock (1213) past every retry, so the run fails for that rather than for duplicates: not
+# yet a clean demonstration there (the per-test harness's broken variants still run on MySQL and
+# MariaDB in tests/races/test_races.py).
+@only("sqlite", "postgresql")
 @pytest.mark.timeout(TRIALS * 520)
 def test_xdist_race_catches_read_then_update(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
     """4 xdist workers x 4 threads drain 600 jobs with variants.read_then_update (the ready set
