@@ -1371,11 +1371,11 @@ class _Dialect:
         """Errors after which the whole transaction was (or must be) rolled back and may rerun."""
         orig = getattr(exc, "orig", None)
         if self.row_locks:
-            code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-            if code is None:
-                args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
-                code = args[0] if args else None
-            return code in self.retry_codes
+            # psycopg names a SQLSTATE; PyMySQL an errno first in args (and, in recent versions,
+            # a SQLSTATE too: 1213 carries '40001', 1205 'HY000'), so look at every code given.
+            args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+            codes = {getattr(orig, "sqlstate", None), getattr(orig, "pgcode", None), args[0] if args else None}
+            return bool(codes & self.retry_codes)
         text = str(orig or exc).lower()
         return "database is locked" in text or "database is busy" in text or "database table is locked" in text
 

@@ -3,6 +3,7 @@ signals: its slot stays counted against the global cap until it returns (issue 2
 
 from __future__ import annotations
 
+import datetime as dt
 import pathlib
 import signal
 import time
@@ -31,7 +32,7 @@ def test_a_handler_that_lost_its_lease_keeps_its_slot_until_it_returns(engine: s
         wait_file(marker)
         a_started = marker.stat().st_mtime
         a.send_signal(signal.SIGSTOP)
-        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine), timeout=10, what="A's lease to expire")
+        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc), timeout=10, what="A's lease to expire")
         assert jobq.reclaim(engine) == 1
         a.send_signal(signal.SIGCONT)
         wait_for(lambda: ("lease_lost", jid) in events(tmp_path), timeout=10, what="A to learn it lost the lease")
