@@ -49,7 +49,9 @@ from sqlalchemy.engine import Connection, Engine
 __version__ = "0.1.0"
 
 __all__ = [
+    "ATTEMPT_OUTCOMES",
     "AsyncWorker",
+    "AttemptInfo",
     "Base",
     "ClaimedId",
     "ConfigError",
@@ -78,6 +80,7 @@ __all__ = [
     "WorkerOptions",
     "aio",
     "allocate",
+    "attempts",
     "backoff",
     "cancel",
     "claim",
@@ -234,7 +237,7 @@ class ConfigError(JobqError, ValueError):
 #   running   a Worker is executing it under a lease
 #   done / failed / cancelled   terminal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -392,6 +395,34 @@ _starts = sa.Table(
     mariadb_engine="InnoDB",
 )
 
+# One row per attempt that ended (schema 4): kept apart from ``jobs.error``, which holds only
+# the last failed attempt's error while the job is not done. Written by the transaction that
+# ends the attempt (finalize, fail, release, reclaim), one INSERT ... SELECT per batch; deleted
+# with its job by prune. No foreign key: the rows are written on the hot path, and a key
+# check per row (PostgreSQL's trigger, InnoDB's parent lock) would cost more than prune's
+# explicit delete.
+_attempts = sa.Table(
+    "jobq_attempts",
+    Base.metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("job_id", _ID, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("worker_id", sa.String(200), nullable=True),
+    sa.Column("started_at", _TS, nullable=True),
+    sa.Column("finished_at", _TS, nullable=False),
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("error", _TEXT, nullable=True),
+    sa.Index("ix_jobq_attempts_job", "job_id", "id"),
+    mysql_engine="InnoDB",
+    mariadb_engine="InnoDB",
+)
+
+#: How an attempt ended, as :func:`attempts` reports it: ``done``; ``failed`` (the handler
+#: raised or its result was refused); ``timeout`` (the dispatch timeout fired); ``reclaimed``
+#: (its lease expired: the worker died, stalled or lost the database); ``released`` (given
+#: back unfinished at shutdown, not charged); ``cancelled`` (cancelled while it ran).
+ATTEMPT_OUTCOMES = ("done", "failed", "timeout", "reclaimed", "released", "cancelled")
+
 #: How long job starts are remembered: rate-limit periods may be at most this long.
 START_LOG_RETENTION = _dt.timedelta(hours=24)
 
@@ -448,6 +479,7 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
         # 2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it).
         if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
             conn.execute(_DDL_CLOSED_BY)
+    # 3 -> 4: jobq_attempts is a new table (create_all, before this, made it); nothing to alter.
     if d.rowid_reuse:
         # Also part of 2 -> 3, checked on every start (one catalogue read): a jobs table made
         # before it (by any version) still hands out pruned ids again.
@@ -1009,6 +1041,7 @@ class _Outcome:
     error: str | None = None
     delay: float = 0.0  # seconds before a retry may run
     parent_id: int | None = -1  # the job's container if the caller knows it (-1: look it up)
+    ended: str | None = None  # the attempt's outcome in its history when a failure is more specific ("timeout")
 
 
 def _fence(job_id: int, owner: str | None, token: str | None, *, cancelled: bool = False) -> list[sa.ColumnElement[bool]]:
@@ -1029,7 +1062,7 @@ def _q_finish(job_id: int, owner: str | None, token: str | None, result: Any, no
     return (
         sa.update(_jobs)
         .where(*_fence(job_id, owner, token))
-        .values(state="done", result=result, finished_at=now, updated_at=now, **_CLEAR_LEASE)
+        .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
     )
 
 
@@ -1058,7 +1091,7 @@ def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None
         sa.update(_jobs)
         .where(_id_in(d, _c.id, [o.job_id for o in outcomes]), _state_is(*_LIVE), _c.cancel_requested == sa.false(),
                _c.lease_owner == owner, _c.lease_token == token)
-        .values(state="done", result=result, finished_at=now, updated_at=now, **_CLEAR_LEASE)
+        .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
     )
 
 
@@ -1095,6 +1128,38 @@ def _q_release(job_id: int, owner: str | None, token: str | None, now: _dt.datet
         .where(*_fence(job_id, owner, token))
         .values(state="ready", attempts=_c.attempts - 1, lease_token=None, run_after=now, updated_at=now, **_CLEAR_LEASE)
     )
+
+
+def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime) -> sa.Insert:
+    """One history row per attempt just ended by this transaction's fenced writes, (job id,
+    outcome, worker id) each, as one INSERT ... SELECT: the attempt number, start and error
+    come from the job rows, which this transaction has just written and still holds. Keep in
+    sync with the finalize/fail/release builders: done clears ``error`` (so none is copied),
+    release gives the attempt back (so its number is one more than the row's), and a release
+    leaves the previous attempt's error on the row (not this attempt's)."""
+    ids = [i for i, _o, _w in ended]
+
+    def per_row(values: Mapping[int, Any], type_: Any) -> Any:
+        if len(set(values.values())) == 1:
+            return sa.literal(next(iter(values.values())), type_)
+        return sa.case({i: sa.literal(v, type_) for i, v in values.items()}, value=_c.id)
+
+    released = [i for i, o, _w in ended if o == "released"]
+    silent = [i for i, o, _w in ended if o in ("done", "released")]
+    attempt: Any = _c.attempts if not released else sa.case((_c.id.in_(released), _c.attempts + 1), else_=_c.attempts)
+    error: Any = _c.error if not silent else sa.case((_c.id.in_(silent), sa.null()), else_=_c.error)
+    rows = sa.select(_c.id, attempt, per_row({i: w for i, _o, w in ended}, sa.String(200)), _c.started_at,
+                     sa.literal(now, _TS), per_row({i: o for i, o, _w in ended}, sa.String(16)), error
+                     ).where(_id_in(d, _c.id, ids))
+    return sa.insert(_attempts).from_select(
+        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"], rows)
+
+
+def _q_attempt_history(job_id: int, *, last: bool = False) -> sa.Select[Any]:
+    # Through ix_jobq_attempts_job (job_id, id): oldest first, or only the newest.
+    a = _attempts.c
+    stmt = sa.select(a.job_id, a.attempt, a.worker_id, a.started_at, a.finished_at, a.outcome, a.error).where(a.job_id == job_id)
+    return stmt.order_by(a.id.desc()).limit(1) if last else stmt.order_by(a.id)
 
 
 # ---- heartbeat --------------------------------------------------------------------------------
@@ -1144,11 +1209,32 @@ _Q_SWEEP_SLOTS = sa.delete(_slots).where(_slots.c.expires <= sa.bindparam("b_now
 _Q_SWEEP_STARTS = sa.delete(_starts).where(_starts.c.started_at < sa.bindparam("b_before", type_=_TS))
 
 
+def _reclaim_error(kind: str) -> Any:
+    # The text a reclaimed row's error (and its attempt's history row) gets; kind: "cancelled"
+    # (cancel requested), "dead" (that was its last attempt) or "retry".
+    if kind == "cancelled":
+        return sa.literal("cancelled; its worker stopped heartbeating", _TEXT)
+    if kind == "dead":
+        return _text_concat("lease expired on attempt ", _c.attempts, " of ", _c.max_attempts,
+                            ": the worker died or lost its lease every time (poison job?)")
+    return _text_concat("lease expired on attempt ", _c.attempts, " (worker crashed or stalled); reclaimed")
+
+
+def _q_record_reclaims(ids: list[int], now: _dt.datetime, kind: str) -> sa.Insert:
+    # Run just BEFORE the reclaim's UPDATE, with its condition, on rows the sweep holds locked
+    # (_q_expired's lock_skip; SQLite's write lock): the same rows, still naming their holder.
+    rows = sa.select(_c.id, _c.attempts, _c.lease_owner, _c.started_at, sa.literal(now, _TS),
+                     sa.literal("reclaimed", sa.String(16)), _reclaim_error(kind)
+                     ).where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
+    return sa.insert(_attempts).from_select(
+        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"], rows)
+
+
 def _q_reclaim_cancelled(ids: list[int], now: _dt.datetime) -> sa.Update:
     # As _q_reclaim: a row that finished or was re-leased since it was read is left alone.
     return (
         sa.update(_jobs).where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
-        .values(state="cancelled", error="cancelled; its worker stopped heartbeating", finished_at=now,
+        .values(state="cancelled", error=_reclaim_error("cancelled"), finished_at=now,
                 updated_at=now, **_CLEAR_LEASE)
     )
 
@@ -1174,8 +1260,7 @@ def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
             state="failed",
             finished_at=now,
             updated_at=now,
-            error=_text_concat("lease expired on attempt ", _c.attempts, " of ", _c.max_attempts,
-                               ": the worker died or lost its lease every time (poison job?)"),
+            error=_reclaim_error("dead"),
             **_CLEAR_LEASE,
         )
     return stmt.values(
@@ -1183,7 +1268,7 @@ def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
         lease_token=None,
         run_after=now,
         updated_at=now,
-        error=_text_concat("lease expired on attempt ", _c.attempts, " (worker crashed or stalled); reclaimed"),
+        error=_reclaim_error("retry"),
         **_CLEAR_LEASE,
     )
 
@@ -1210,6 +1295,10 @@ def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.S
 
 def _q_delete_edges(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_deps).where(sa.or_(_deps.c.job_id.in_(ids), _deps.c.depends_on_id.in_(ids)))
+
+
+def _q_delete_attempts(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_attempts).where(_attempts.c.job_id.in_(ids))
 
 
 def _q_delete_jobs(ids: Sequence[int]) -> sa.Delete:
@@ -2117,6 +2206,32 @@ class JobInfo:
     pending_children: int
 
 
+@dataclasses.dataclass(frozen=True)
+class AttemptInfo:
+    """One attempt of a job that has ended, as returned by :func:`attempts`.
+
+    Attributes:
+        job_id: the job.
+        attempt: its attempt number, from 1 (a released attempt was not charged, so the next
+            attempt carries the same number).
+        worker_id: the worker that held the lease (None if the caller gave none).
+        started_at: when the claim leased it (aware UTC; None only for rows of a job claimed
+            before its schema had ``started_at``).
+        finished_at: when the attempt ended, by the database clock (aware UTC).
+        outcome: one of :data:`ATTEMPT_OUTCOMES`.
+        error: what went wrong (truncated as ``JobInfo.error``), None for ``done`` and
+            ``released``.
+    """
+
+    job_id: int
+    attempt: int
+    worker_id: str | None
+    started_at: _dt.datetime | None
+    finished_at: _dt.datetime
+    outcome: str
+    error: str | None
+
+
 _JOBINFO_COLUMNS = tuple(f.name for f in dataclasses.fields(JobInfo) if f.name != "depends_on")
 _JOBINFO_TIMES = ("run_after", "created_at", "updated_at", "started_at", "finished_at", "lease_expires", "heartbeat_at")
 
@@ -2649,6 +2764,42 @@ def get(engine: Engine | Connection | orm.Session, job_id: int) -> JobInfo | Non
     return read(_target_connection(engine))
 
 
+def attempts(engine: Engine | Connection | orm.Session, job_id: int) -> list[AttemptInfo]:
+    """A job's ended attempts, oldest first: its history, kept apart from ``JobInfo.error``.
+
+    Every attempt that ends leaves one row, written by the same transaction that ended it
+    (finalize, fail, release, the dispatch timeout, or the reclaim of an expired lease), so the
+    history never claims an outcome the job row does not show. An attempt still running has no
+    row yet. :func:`prune` deletes the rows with their job.
+
+    Args:
+        engine: an Engine, Connection or Session.
+        job_id: the job's id.
+
+    Returns:
+        A list of :class:`AttemptInfo` (empty for an unknown job or one never run).
+    """
+    try:
+        job_id = _as_id(job_id, "job_id")
+    except InvalidJob:
+        return []
+
+    def read(conn: Connection) -> list[AttemptInfo]:
+        out = []
+        for r in conn.execute(_q_attempt_history(job_id)):
+            out.append(AttemptInfo(
+                job_id=r.job_id, attempt=r.attempt, worker_id=r.worker_id,
+                started_at=r.started_at.replace(tzinfo=_dt.timezone.utc) if r.started_at is not None else None,
+                finished_at=r.finished_at.replace(tzinfo=_dt.timezone.utc), outcome=r.outcome, error=r.error))
+        return out
+
+    if isinstance(engine, Engine):
+        _prepare(engine)
+        with engine.connect() as conn:
+            return read(conn)
+    return read(_target_connection(engine))
+
+
 def _target_connection(target: Connection | orm.Session) -> Connection:
     return target.connection() if isinstance(target, orm.Session) else target
 
@@ -2943,6 +3094,9 @@ def heartbeat(engine: Engine, lease: Lease | ClaimedId, ttl: float, *, now: _dt.
 
 
 _ERROR_LIMIT = 8000  # longest error text stored (characters)
+# The history outcome of a fenced write, by the state it wrote (or, back to ready, by the kind
+# of outcome); a failure ("retry", "failed") takes the outcome's own ``ended`` or "failed".
+_ENDED_AS = {"done": "done", "cancelled": "cancelled", "release": "released"}
 
 
 def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome], now: _dt.datetime) -> list[str | None]:
@@ -2950,6 +3104,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     None where the dispatch no longer held the lease (nothing written for it)."""
     written: list[str | None] = []
     terminal: list[tuple[int, str]] = []
+    ended: list[tuple[int, str, str | None]] = []  # attempts this transaction ended: history rows
     fast = [o for o in outcomes if o.kind == "done" and o.owner is not None and o.token is not None]
     landed: set[int] = set()
     if len(fast) > 1:
@@ -2972,6 +3127,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         if o.job_id in landed and o.kind == "done":
             written.append("done")
             terminal.append((o.job_id, "done"))
+            ended.append((o.job_id, "done", o.owner))
             continue
         if o.kind == "done":
             n = conn.execute(_q_finish(o.job_id, o.owner, o.token, o.result, now)).rowcount
@@ -2993,10 +3149,14 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
             # A retried finalize whose first COMMIT landed: the row is done under our token.
             again = conn.execute(_q_done_under(o.job_id, o.token)).first()
             written.append("done" if again is not None else None)
-            continue
+            continue  # its history row came with that first COMMIT
         written.append(state if n else None)
+        if n:
+            ended.append((o.job_id, _ENDED_AS.get(state if state != "ready" else o.kind) or o.ended or "failed", o.owner))
         if n and state in TERMINAL:
             terminal.append((o.job_id, state))
+    for rec in _chunks(ended):
+        conn.execute(_q_record_attempts(d, rec, now))
     if terminal:
         _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1})
     return written
@@ -3199,14 +3359,17 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
     dead = [r.id for r in rows if r.attempts >= r.max_attempts and not r.cancel_requested]
     out: list[tuple[int, str]] = []
     if cancel:
+        conn.execute(_q_record_reclaims(cancel, now, "cancelled"))
         conn.execute(_q_reclaim_cancelled(cancel, now))
         out += [(i, "cancelled") for i in cancel]
         _settle(conn, d, now, [(i, "cancelled") for i in cancel])
     if retry:
+        conn.execute(_q_record_reclaims(retry, now, "retry"))
         conn.execute(_q_reclaim(retry, now, dead=False))
         out += [(i, "ready") for i in retry]
         d.notify(conn)
     if dead:
+        conn.execute(_q_record_reclaims(dead, now, "dead"))
         conn.execute(_q_reclaim(dead, now, dead=True))
         out += [(i, "failed") for i in dead]
         _settle(conn, d, now, [(i, "failed") for i in dead])
@@ -3427,6 +3590,7 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
             ids = list(conn.execute(_q_prunable(states, cutoff, batch)).scalars())
             if ids:
                 conn.execute(_q_delete_edges(ids))
+                conn.execute(_q_delete_attempts(ids))
                 conn.execute(_q_delete_jobs(ids))
             return len(ids)
 
@@ -3504,17 +3668,20 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
                 return f"{head} is a container with {r.pending_children} unfinished child job(s); it rolls up when they finish"
             return f"{head} is waiting, but nothing it waits for is unfinished (pending count {r.pending_deps}): report this"
         # ready: scheduled for later, or due and waiting for a worker
+        last = conn.execute(_q_attempt_history(job_id, last=True)).first() if r.attempts else None
+        ended = f" ({last.outcome})" if last is not None and last.outcome != "failed" else ""  # timeout, reclaimed
         if r.run_after > t:
             when = f"{head} is scheduled, runs in {_span((r.run_after - t).total_seconds())} (at {_iso(r.run_after)})"
             if r.attempts:
-                return f"{when}: backing off after attempt {r.attempts}: {_one_line(r.error or '')}"
+                return f"{when}: backing off after attempt {r.attempts}{ended}: {_one_line(r.error or '')}"
             return when
         holders = conn.execute(_q_holders()).all()
         total = sum(n for _, _, n in holders)
         mine = sum(n for _, g, n in holders if g == r.group_key)
         ahead = conn.execute(_q_ahead_in_group(r.group_key, r.run_after, r.id, t)).scalar_one()
         owners = sorted({o for o, _, _ in holders if o})
-        return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker: "
+        return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker"
+                + (f" (attempt {last.attempt} ended: {last.outcome})" if last is not None else "") + ": "
                 f"{ahead} older due job(s) ahead of it in its group; "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
@@ -4354,7 +4521,7 @@ class _WorkerCore:
         def outcome(run: _Running) -> _Outcome:
             lease = run.lease
             retry = lease.attempt < lease.max_attempts
-            return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
+            return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed", ended="timeout",
                             error=f"timed out after {now_m - run.started:.1f}s (limit {run.deadline - run.started:.1f}s)",  # type: ignore[operator]
                             delay=float(self.retry_backoff(lease.attempt)) if retry else 0.0)
 
@@ -5476,11 +5643,17 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
             children = list(conn.execute(_q_child_ids(ns.id)).scalars())
             conn.rollback()
         data = {**dataclasses.asdict(info), "dependents": dependents, "children": children}
+        history = [dataclasses.asdict(a) for a in attempts(engine, ns.id)]
         if ns.json:
-            _print_json(data)
+            _print_json({**data, "history": history})
         else:
             for k, v in data.items():
                 print(f"{k:>17}: {_text(list(v) if isinstance(v, tuple) else v)}")
+            print(f"{'history':>17}: " + ("no attempt has ended" if not history else ""))
+            for a in history:
+                print(f"{'':>19}attempt {a['attempt']} {a['outcome']}: {_iso(a['started_at']) or '-'} .. "
+                      f"{_iso(a['finished_at'])} by {a['worker_id'] or '-'}"
+                      + (f": {_one_line(a['error'])}" if a["error"] else ""))
     elif cmd == "why":
         state = _require_job(engine, ns.id)
         line = why(engine, ns.id)

@@ -3,7 +3,8 @@ its lease expires and finishes it, once.
 
 What this shows:
     * leases and heartbeats: a dead worker's job is not lost, it is reclaimed after lease_ttl;
-    * the attempt count (2) and the error left by the reclaim;
+    * the attempt count (2) and the attempt history: the reclaimed attempt keeps its error,
+      while the finished job has none (``jobq.attempts``, ``jobq show``);
     * at-least-once: the handler ran twice, the result was written once.
 
 Run:
@@ -70,7 +71,9 @@ def main() -> None:
     info = jobq.get(engine, jid)
     assert info is not None
     print(f"after {time.monotonic() - t0:.1f}s: job {jid} is {info.state}, attempts={info.attempts}, result={info.result}")
-    print(f"what the reclaim recorded: {info.error}")
+    print(f"its current error: {info.error}")
+    for a in jobq.attempts(engine, jid):
+        print(f"attempt {a.attempt} by {a.worker_id}: {a.outcome}" + (f" ({a.error})" if a.error else ""))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ EXPECT = {
     "quickstart.py": ["all done"],
     "async_crawl.py": ["exists: False", "task cancelled (timed_out)", "attempts=2", "peak concurrency 3 (cap 3); done=6"],
     "tenants.py": ["final slot-time shares", "'done': 250"],
-    "crash_recover.py": ["killing worker A", "is done, attempts=2", "lease expired on attempt 1"],
+    "crash_recover.py": ["killing worker A", "is done, attempts=2", "its current error: None",
+                          ": reclaimed (lease expired on attempt 1", ": done"],
     "pipeline_listen.py": ["20 hops in"],
     "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
 }
