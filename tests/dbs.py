@@ -205,6 +205,7 @@ def wipe(engine: sa.Engine) -> None:
         conn.execute(sa.delete(jobq.Job.__table__))
         conn.execute(sa.delete(jobq._slots))  # slots held by an earlier test's abandoned handlers
         conn.execute(sa.delete(jobq._starts))
+        conn.execute(sa.delete(jobq._attempts))
 
 
 def only(*dialects: str):
