@@ -4898,8 +4898,8 @@ def _format_error(exc: BaseException) -> str:
 # asyncio.sleep. Needs greenlet (``pip install sqlalchemy[asyncio]``) and an async driver
 # (psycopg 3, aiosqlite, aiomysql or asyncmy).
 
-_ASYNC_TWINS = ("cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get", "heartbeat",
-                "prune", "reclaim", "release", "retry", "stats", "submit", "tick", "why")
+_ASYNC_TWINS = ("attempts", "cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get",
+                "heartbeat", "prune", "reclaim", "release", "retry", "stats", "submit", "tick", "why")
 
 
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:

@@ -3,7 +3,8 @@
 The suite writes only to databases it was given. SQLite always runs, on temporary files
 (several connections, never ``:memory:``). A server engine is tested only when its variable
 names a database, and the suite then **drops and recreates jobq's tables in exactly that
-database** (``jobs``, ``job_deps``, ``jobq_meta``, ``jobq_slots``, ``jobq_starts``), so name one
+database** (``jobs``, ``job_deps``, ``jobq_meta``, ``jobq_slots``, ``jobq_starts``,
+``jobq_attempts``), so name one
 of its own, never an application's:
 
     JOBQ_TEST_POSTGRES_URL   e.g. postgresql+psycopg://postgres@127.0.0.1:5432/jobq_test

@@ -213,3 +213,25 @@ def test_a_schema_3_database_gets_the_history_table(engine: sa.Engine) -> None:
     c = jobq.claim(engine, "w", 30)
     jobq.finalize(engine, c, {}, worker_id="w")
     assert history(engine, jid) == [(1, "done")]
+
+
+def test_the_history_reads_the_same_through_the_async_api(engine: sa.Engine, db_url: str) -> None:
+    """``await jobq.aio.attempts(async_engine, id)`` returns what the sync call returns."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from dbs import async_url
+
+    jid = jobq.enqueue(engine, "t")
+    c = jobq.claim(engine, "w", 30)
+    jobq.fail(engine, c, "once", worker_id="w")
+
+    async def read() -> list[jobq.AttemptInfo]:
+        eng = create_async_engine(async_url(db_url))
+        try:
+            return await jobq.aio.attempts(eng, jid)  # type: ignore[no-any-return]
+        finally:
+            await eng.dispose()
+
+    assert asyncio.run(read()) == jobq.attempts(engine, jid) and history(engine, jid) == [(1, "failed")]

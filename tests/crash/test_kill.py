@@ -37,7 +37,8 @@ def test_sigkill_at_random_points_loses_nothing_and_completes_nothing_twice(engi
     Correct: afterwards every job is done exactly once (no job has two finalize commits in the
     log), no job is left leased or running, every result comes from a logged execution, and
     attempts never exceed max_attempts. A lost job shows as not done; a double completion as a
-    second finalize line; a leaked lease as a leased row."""
+    second finalize line; a leaked lease as a leased row; history written outside the finalize
+    transaction as a "done" row for an attempt that was then reclaimed."""
     rnd = random.Random(int(os.environ.get("JOBQ_CRASH_SEED", "7")))
     with engine.begin() as conn:
         ids = [jobq.enqueue(conn, "work", {"sleep": 0.03}, max_attempts=25) for _ in range(70)]
@@ -65,6 +66,17 @@ def test_sigkill_at_random_points_loses_nothing_and_completes_nothing_twice(engi
         r = rows[i]
         assert 1 <= execs[i] <= r.attempts <= r.max_attempts
         assert f"{i} {r.result['attempt']}" in {line for line in _exec_lines(tmp_path)}
+    # Attempt history: every claim ended exactly once, in the transaction that ended it. A kill
+    # inside the finalize transaction left no "done" row (it rolled back): that attempt reads
+    # "reclaimed", and only the last attempt "done". The finished job's error is None.
+    with engine.connect() as conn:
+        history: dict[int, list[tuple[int, str]]] = {}
+        for h in conn.execute(sa.select(jobq._attempts).order_by(jobq._attempts.c.id)):
+            history.setdefault(h.job_id, []).append((h.attempt, h.outcome))
+    for i in ids:
+        r = rows[i]
+        assert history.get(i) == [(n, "reclaimed") for n in range(1, r.attempts)] + [(r.attempts, "done")], (i, history.get(i))
+        assert r.error is None, (i, r.error)
     assert sum(kills.values()) >= ITERATIONS * 0.8, kills  # the kills really happened
     assert sum(r.attempts for r in rows.values()) > len(ids), "no job was ever re-run"
     SUMMARY.append(
