@@ -2175,7 +2175,9 @@ class JobInfo:
 
     Its datetimes (``run_after``, ``created_at``, ``updated_at``, ``started_at``,
     ``finished_at``, ``lease_expires``, ``heartbeat_at``) are aware, in UTC, so they compare with
-    ``datetime.now(timezone.utc)`` and can be passed back as ``run_after``.
+    ``datetime.now(timezone.utc)`` and can be passed back as ``run_after``. ``error`` is the
+    current error only: the last failed attempt's (or why the job was closed) while it is not
+    done, None once done; every attempt's outcome and error are in :func:`attempts`.
     """
 
     id: int
