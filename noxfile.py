@@ -35,7 +35,7 @@ URL_VAR = {"postgres": "JOBQ_TEST_POSTGRES_URL", "mysql": "JOBQ_TEST_MYSQL_URL",
 TEST_DEPS = ["-e", ".[test]"]
 
 
-CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness"]
+CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness", "tests/web"]
 
 
 def _env(dialects: str | None = None) -> dict[str, str]:
@@ -171,5 +171,5 @@ def package(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check on everything in the repository, mypy on the module."""
     session.install("ruff", "mypy", "SQLAlchemy>=2.0")
-    session.run("ruff", "check", "jobq.py", "tests", "bench", "scenarios", "noxfile.py")
-    session.run("mypy", "jobq.py")
+    session.run("ruff", "check", "jobq.py", "jobq_web.py", "tests", "bench", "scenarios", "docs", "noxfile.py")
+    session.run("mypy", "jobq.py", "jobq_web.py")
