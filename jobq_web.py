@@ -362,6 +362,7 @@ th { background: #f0f3f6; }
 td.n, th.n { text-align: right; }
 .cards { display: flex; flex-wrap: wrap; gap: .6rem; }
 .card { background: #fff; border: 1px solid #d0d7de; border-radius: 6px; padding: .5rem .8rem; min-width: 6.5rem; }
+a.card { color: inherit; text-decoration: none; } a.card:hover { border-color: #0969da; }
 .card .v { font-size: 1.5rem; font-weight: 600; } .card .k { font-size: .8rem; color: #57606a; }
 .state { padding: .05rem .45rem; border-radius: 1rem; font-size: .85rem; border: 1px solid #0002; }
 .s-waiting { background: #d0d0d0; } .s-ready { background: #9ecbff; } .s-leased { background: #ffe08a; }
@@ -835,12 +836,13 @@ class Dashboard:
                       f'<button type="submit">{act}</button></form>') if can_act else ""
             rows.append([f'<a href="{b}/jobs?group={_e(name)}">{_e(g["group"])}</a>', _num(g["weight"]), _e(g["due"]),
                          _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]), _num(g["rate"]), _num(g["paused"]),
-                         _e(g["starts_last_hour"]), _share(g["served_share"]), _share(g["weight_share"]), button])
+                         _e(g["starts_last_hour"]), _share(g["served_share"]), _share(g["weight_share"])]
+                        + ([button] if can_act else []))
         note = ("" if d["policy_stored"] else
                 '<p class="muted" id="policy-note">Group policy (caps, rates, pausing) is not stored in this database: '
                 "it is set by each worker's options (<code>--cap</code>, <code>--rate</code>).</p>")
         table = _table(["group", "weight", "due", "ready", "in flight", "cap", "rate", "paused", "starts (1h)",
-                        "served share", "weight share", ""], rows, "groups")
+                        "served share", "weight share"] + (["action"] if can_act else []), rows, "groups")
         return f"<h1>Groups</h1>{note}{table}"
 
 
