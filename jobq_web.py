@@ -383,15 +383,21 @@ dl.fields dt { color: #57606a; } dl.fields dd { margin: 0; }
 """
 
 # Live refresh: every 5 s, fetch this same page and swap in its <main>; paused while the
-# operator is typing in a form, and by the checkbox. Without JavaScript the pages are static.
+# operator is typing in a form, and by the checkbox (remembered for the tab). Without JavaScript
+# the pages are static.
 _JS = """
 (function () {
   var box = document.getElementById('live');
   if (!box) return;
+  var on = box.querySelector('input');
+  try { on.checked = sessionStorage.getItem('jobq-live') !== 'off'; } catch (e) {}
+  on.addEventListener('change', function () {
+    try { sessionStorage.setItem('jobq-live', on.checked ? 'on' : 'off'); } catch (e) {}
+  });
   box.hidden = false;
-  function busy() { var a = document.activeElement; return a && a.form; }
+  function busy() { var a = document.activeElement; return !on.checked || (a && a.form); }
   setInterval(function () {
-    if (!box.querySelector('input').checked || busy()) return;
+    if (busy()) return;
     fetch(location.href, {headers: {'X-Requested-With': 'jobq-live'}, credentials: 'same-origin'})
       .then(function (r) { return r.ok ? r.text() : null; })
       .then(function (text) {

@@ -70,10 +70,13 @@ def _failed_pair(engine: sa.Engine) -> tuple[int, int]:
 
 def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token(
         browser: object, engine: sa.Engine, db_url: str) -> None:
-    """Overview counts, the why sentence and the coloured DAG are on screen; the Retry button
+    """Overview counts (refreshed live), the why sentence and the coloured DAG are on screen; the Retry button
     is refused (401, nothing changes) until the operator signs in with the token, then it
     re-opens the job and its closed dependent."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.expected_conditions import staleness_of
+    from selenium.webdriver.support.ui import WebDriverWait
 
     d = browser
     up, down = _failed_pair(engine)
@@ -81,11 +84,25 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
         d.delete_all_cookies()  # type: ignore[attr-defined]  # cookies ignore the port: one engine's sign-in
         d.get(base)  # type: ignore[attr-defined]  # would carry over to the next
         find = d.find_element  # type: ignore[attr-defined]
+
+        def submit(element: object) -> None:
+            """Click a link or button and wait until the page it leads to has loaded (a
+            click returns before a form's navigation ends)."""
+            old = find(By.TAG_NAME, "html")
+            element.click()  # type: ignore[attr-defined]
+            WebDriverWait(d, 60).until(staleness_of(old))
+            WebDriverWait(d, 60).until(lambda _: d.execute_script("return document.readyState") == "complete")  # type: ignore[attr-defined]
         assert find(By.TAG_NAME, "h1").text == "Overview"
         assert find(By.ID, "count-failed").text == "2" and find(By.ID, "count-ready").text == "1"
         chart = find(By.CSS_SELECTOR, "svg.chart")
         assert chart.is_displayed() and chart.size["width"] > 200
         assert find(By.ID, "live").is_displayed()  # JavaScript is on: the live-refresh switch shows
+        jobq.enqueue(engine, "resize", {"id": 8}, group_key="tenant-b")
+        # live refresh: the count changes without a reload (polled with a deadline, not timed)
+        WebDriverWait(d, 60, ignored_exceptions=[StaleElementReferenceException]).until(
+            lambda _: find(By.ID, "count-ready").text == "2")
+        find(By.CSS_SELECTOR, "#live input").click()  # live refresh off (for this tab): no page swaps under the clicks below
+        assert not find(By.CSS_SELECTOR, "#live input").is_selected()
         assert "tenant-b" in find(By.CSS_SELECTOR, "table.groups").text
 
         d.get(f"{base}jobs/{down}")  # type: ignore[attr-defined]
@@ -100,23 +117,24 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
 
         d.get(f"{base}jobs/{up}")  # type: ignore[attr-defined]
         assert "ConnectionError: host unreachable" in find(By.ID, "error").text
-        find(By.ID, "retry").click()  # not signed in
+        submit(find(By.ID, "retry"))  # not signed in
         assert find(By.TAG_NAME, "h1").text == "401 Unauthorized" and "sign in" in find(By.ID, "error").text
         assert jobq.get(engine, up).state == "failed"
 
-        find(By.LINK_TEXT, "Sign in").click()
+        submit(find(By.LINK_TEXT, "Sign in"))
         find(By.ID, "token").send_keys("not-the-token")
-        find(By.ID, "signin").click()
+        submit(find(By.ID, "signin"))
         assert find(By.TAG_NAME, "h1").text == "401 Unauthorized"
         d.get(f"{base}login?next=/jobs/{up}")  # type: ignore[attr-defined]
         find(By.ID, "token").send_keys(TOKEN)
-        find(By.ID, "signin").click()
+        submit(find(By.ID, "signin"))
         assert find(By.TAG_NAME, "h1").text.startswith(f"Job {up}")
+        assert not find(By.CSS_SELECTOR, "#live input").is_selected()  # still off after navigating
         # a forged request from the page's own origin without the CSRF field: refused
         status = d.execute_script(  # type: ignore[attr-defined]
             f"return fetch('/jobs/{up}/retry', {{method: 'POST'}}).then(r => r.status)")
         assert status == 403 and jobq.get(engine, up).state == "failed"
-        find(By.ID, "retry").click()
+        submit(find(By.ID, "retry"))
         assert find(By.ID, "flash").text == f"re-opened {up}, {down}"
         assert jobq.get(engine, up).state == "ready" and jobq.get(engine, down).state == "waiting"
         assert "ready" in find(By.TAG_NAME, "h1").text
