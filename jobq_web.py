@@ -628,8 +628,7 @@ class Dashboard:
         return _redirect(f"{req.base}/jobs/{job_id}?{urllib.parse.urlencode({'done': message})}")
 
     def _group_action(self, req: _Request, group: str, action: str) -> _Response:
-        self._authorize(req)
-        group = urllib.parse.unquote(group)
+        self._authorize(req)  # (PATH_INFO arrives decoded: the group name as written)
         try:
             _set_paused(self.engine, group, action == "pause")
         except _NotStored:

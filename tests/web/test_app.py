@@ -392,3 +392,18 @@ def test_serve_binds_loopback_and_warns_elsewhere_without_a_token(tmp_path: path
             assert json.loads(r.read())["states"]["ready"] == 0
     with running_server(url, "--host", "0.0.0.0", "--port", "0") as (base, err):
         assert "warning: the dashboard is bound to 0.0.0.0" in err and "without a token" in err
+
+
+def test_the_seams_call_jobq_apis_where_they_exist(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where jobq has set_group and attempts (added by other work), the dashboard uses them:
+    pause goes through jobq.set_group, and the job page lists the attempt history."""
+    job = failed_job(engine, group_key="tenant-a")
+    calls: list[tuple[object, ...]] = []
+    monkeypatch.setattr(jobq, "set_group", lambda e, g, *, paused: calls.append((e, g, paused)), raising=False)
+    monkeypatch.setattr(jobq, "attempts", lambda e, i: [{"attempt": 1, "error": "<b>boom</b>"}], raising=False)
+    app = jobq_web.app(engine, token=TOKEN)
+    r = call(app, "/groups/tenant-a/pause", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and calls == [(engine, "tenant-a", True)]
+    page = call(app, f"/jobs/{job}").body
+    assert "<h2>Attempts</h2>" in page and "&lt;b&gt;boom&lt;/b&gt;" in page
+    assert call(app, f"/api/jobs/{job}").json()["attempt_history"] == [{"attempt": 1, "error": "<b>boom</b>"}]
