@@ -70,7 +70,8 @@ def _failed_pair(engine: sa.Engine) -> tuple[int, int]:
 
 def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token(
         browser: object, engine: sa.Engine, db_url: str) -> None:
-    """Overview counts (refreshed live), the why sentence and the coloured DAG are on screen; the Retry button
+    """Overview counts (refreshed live), the why sentence and the coloured DAG are on screen,
+    with JavaScript on and off; the Retry button
     is refused (401, nothing changes) until the operator signs in with the token, then it
     re-opens the job and its closed dependent."""
     from selenium.common.exceptions import StaleElementReferenceException
@@ -144,3 +145,14 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
         assert {"tenant-a", "tenant-b"} <= {a.text for a in find(By.CSS_SELECTOR, "table.groups").find_elements(
             By.CSS_SELECTOR, "td:first-child a")}
         assert "not stored in this database" in find(By.ID, "policy-note").text
+
+        # JavaScript off: the read-only pages show the same (no live switch, nothing missing)
+        d.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})  # type: ignore[attr-defined]
+        try:
+            d.get(f"{base}jobs/{down}")  # type: ignore[attr-defined]
+            assert find(By.ID, "why").text == jobq.why(engine, down)
+            assert find(By.CSS_SELECTOR, "svg.dag").is_displayed() and not find(By.ID, "live").is_displayed()
+            d.get(base)  # type: ignore[attr-defined]
+            assert find(By.ID, "count-ready").text == "3" and find(By.CSS_SELECTOR, "svg.chart").is_displayed()  # 2 + the retried one
+        finally:
+            d.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": False})  # type: ignore[attr-defined]
