@@ -5577,7 +5577,11 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         else:
             print(text)
     elif cmd == "serve":
-        _dashboard().serve(engine, host=ns.host, port=ns.port, token=ns.token, hide_args=ns.hide_args)
+        web = _dashboard()
+        try:
+            web.serve(engine, host=ns.host, port=ns.port, token=ns.token, hide_args=ns.hide_args)
+        except OSError as exc:  # the address is taken, or not this machine's
+            raise _CliError(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or _one_line(exc)}", _EXIT_USAGE) from None
     elif cmd == "worker":
         handler = logging.StreamHandler()
         handler.setFormatter(_ScrubbingFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", secrets))

@@ -376,6 +376,21 @@ def test_serve_refuses_bad_options(tmp_path: pathlib.Path, argv: list[str], code
     assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_serve_on_a_taken_port_says_so(tmp_path: pathlib.Path) -> None:
+    import socket
+
+    db = tmp_path / "q.db"
+    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "init"], check=True,
+                   capture_output=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "serve", "--port",
+                            str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_serve_binds_loopback_and_warns_elsewhere_without_a_token(tmp_path: pathlib.Path) -> None:
     """`jobq serve` listens on 127.0.0.1 by default and answers; bound to every address without
     a token it prints a warning first."""
