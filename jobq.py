@@ -658,6 +658,12 @@ def _q_starts_since(since: _dt.datetime, groups: Sequence[str] | None) -> sa.Sel
     )
 
 
+def _q_starts_by_group(since: _dt.datetime) -> sa.Select[Any]:
+    """Jobs started per group since ``since``, every group (the dashboard's served share)."""
+    return (sa.select(_starts.c.group_key, sa.func.coalesce(sa.func.sum(_starts.c.n), 0))
+            .where(_starts.c.started_at > since).group_by(_starts.c.group_key))
+
+
 # ---- builders for get, why, stats and the command line
 
 
@@ -738,6 +744,15 @@ def _q_recent_failures(since: _dt.datetime, limit: int = 5) -> sa.Select[Any]:
             .order_by(_c.finished_at.desc()).limit(limit))
 
 
+def _q_finished_buckets(since: _dt.datetime, step: _dt.timedelta, n: int) -> sa.Select[Any]:
+    """Per final state: jobs finished in each of ``n`` consecutive spans of ``step`` from
+    ``since`` (the dashboard's throughput chart). One range read of ix_jobs_finished, like
+    _q_finished_by_state: its cost follows the window, never the history."""
+    spans = [sa.func.sum(sa.case((sa.and_(_c.finished_at >= since + step * i, _c.finished_at < since + step * (i + 1)), 1),
+                                 else_=0)) for i in range(n)]
+    return sa.select(_c.state, *spans).where(_state_is(*TERMINAL), _c.finished_at >= since).group_by(_c.state)
+
+
 def _q_count_by_state() -> sa.Select[Any]:
     """Every job per state: a full scan (stats(totals=True) only)."""
     return sa.select(_c.state, sa.func.count()).group_by(_c.state)
@@ -748,10 +763,15 @@ def _q_schema_version() -> sa.Select[Any]:
 
 
 def _q_list_jobs(*, state: str | None, type: str | None, group: str | None, since: _dt.datetime | None,
-                 limit: int) -> sa.Select[Any]:
-    """`jobq ls`: the newest jobs first, filtered."""
+                 limit: int, until: _dt.datetime | None = None, before: int | None = None) -> sa.Select[Any]:
+    """`jobq ls` and the dashboard's job list: the newest jobs first, filtered; ``before`` (an
+    id) pages backwards by key, so a page costs the same however deep it is."""
     stmt = sa.select(_c.id, _c.type, _c.state, _c.group_key, _c.attempts, _c.max_attempts, _c.run_after,
                      _c.created_at, _c.finished_at)
+    if until is not None:
+        stmt = stmt.where(_c.created_at < until)
+    if before is not None:
+        stmt = stmt.where(_c.id < before)
     if state is not None:
         stmt = stmt.where(_c.state == state)
     if type is not None:
@@ -5232,6 +5252,18 @@ def _count(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
+def _token(text: str) -> str:
+    if len(text) < 8:
+        raise argparse.ArgumentTypeError("the dashboard token must have at least 8 characters")
+    return text
+
+
 def _cap(text: str) -> tuple[str, int]:
     group, eq, n = text.rpartition("=")
     if not eq or not group:
@@ -5537,6 +5569,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), help="for --executor process")
     p.add_argument("--worker-id")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p = sub.add_parser("serve", help="run the web dashboard (jobq_web.py, beside jobq.py)", parents=[common],
+                       description="run the web dashboard until SIGINT/SIGTERM: read-only unless given a token")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=_port, default=8080, help="default: 8080 (0: any free port)")
+    p.add_argument("--token", type=_token, default=os.environ.get("JOBQ_DASHBOARD_TOKEN") or None,
+                   help="allow retry/cancel/pause with this token (default: $JOBQ_DASHBOARD_TOKEN; none: read-only)")
+    p.add_argument("--hide-args", action="store_true", help="never show job arguments")
     return parser
 
 
@@ -5595,6 +5634,29 @@ def _main(argv: Sequence[str] | None) -> int:
     finally:
         if engine is not None:
             engine.dispose()
+
+
+def _dashboard() -> Any:
+    """The vendorable dashboard module, jobq_web.py: importable, or beside this file."""
+    # Run as a script (python jobq.py), this module is __main__: jobq_web's `import jobq` must
+    # find this copy, not load a second one with its own engine hooks.
+    sys.modules.setdefault("jobq", sys.modules[__name__])
+    try:
+        return importlib.import_module("jobq_web")
+    except ModuleNotFoundError as exc:
+        if exc.name != "jobq_web":
+            raise
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobq_web.py")
+    if not os.path.exists(here):
+        raise _CliError(f"serve needs the dashboard module: copy jobq_web.py (from the jobq repository, next to "
+                        f"jobq.py) to {here}", _EXIT_USAGE)
+    import importlib.util as import_util
+
+    spec = import_util.spec_from_file_location("jobq_web", here)
+    module = import_util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["jobq_web"] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str]) -> int:
@@ -5689,6 +5751,12 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
                                     "is_container": bool(r.is_container)} for r in nodes]})
         else:
             print(text)
+    elif cmd == "serve":
+        web = _dashboard()
+        try:
+            web.serve(engine, host=ns.host, port=ns.port, token=ns.token, hide_args=ns.hide_args)
+        except OSError as exc:  # the address is taken, or not this machine's
+            raise _CliError(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or _one_line(exc)}", _EXIT_USAGE) from None
     elif cmd == "worker":
         handler = logging.StreamHandler()
         handler.setFormatter(_ScrubbingFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", secrets))

@@ -38,7 +38,7 @@ TEST_DEPS = ["-e", ".[test]"]
 # The fair-share properties and tick simulations need no database and take most of a run on a
 # machine without servers: they run in `fairness` (which CI runs), so the README's `tests` stays
 # about a minute there. Their Worker-level checks against the databases stay here.
-CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness/test_integration.py"]
+CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness/test_integration.py", "tests/web"]
 
 
 def _env(dialects: str | None = None) -> dict[str, str]:
@@ -174,5 +174,5 @@ def package(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check on everything in the repository, mypy on the module."""
     session.install("ruff", "mypy", "SQLAlchemy>=2.0")
-    session.run("ruff", "check", "jobq.py", "tests", "bench", "scenarios", "noxfile.py")
-    session.run("mypy", "jobq.py")
+    session.run("ruff", "check", "jobq.py", "jobq_web.py", "tests", "bench", "scenarios", "docs", "noxfile.py")
+    session.run("mypy", "jobq.py", "jobq_web.py")

@@ -1,0 +1,42 @@
+"""Run `jobq serve` as a real process for the dashboard tests."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def running_server(url: str, *argv: str) -> Iterator[tuple[str, str]]:
+    """`python jobq.py --url URL serve ARGV`: yields (its base URL, what it printed before
+    listening), then stops it with SIGINT (as Ctrl-C) and checks it exited cleanly."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "jobq.py"), "--url", url, "serve", *argv],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the server prints its URL once it listens; a crash ends the loop
+            lines.append(line)
+            if line.startswith("jobq dashboard on "):
+                break
+        else:
+            raise AssertionError("jobq serve exited before listening: " + "".join(lines))
+        base = lines[-1].split()[3]
+        yield base, "".join(lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        finally:
+            if proc.stderr is not None:
+                proc.stderr.close()
+    assert code in (0, 130), (code, "".join(lines))

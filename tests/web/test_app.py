@@ -1,0 +1,424 @@
+"""The dashboard's WSGI app (jobq_web.py) on every engine: every page and its JSON twin, every
+error answered as a clear page or JSON (never a traceback), every value escaped, and actions
+only with the token and a CSRF field (else 401/403 and nothing changes)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+import jobq_web
+from dbs import only
+from webclient import Reply, call
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOKEN = "s3cret-dashboard-token"
+EVIL = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+
+
+def failed_job(engine: sa.Engine, type: str = "fetch", error: str = "Traceback (most recent call last):\nboom",
+               **kw: object) -> int:
+    """A job that ran once and failed for good (its dependents are closed with it)."""
+    job_id = jobq.enqueue(engine, type, {"n": 1}, max_attempts=1, **kw)  # type: ignore[arg-type]
+    lease = jobq.claim(engine, "w1", 30)
+    assert lease == job_id
+    assert jobq.fail(engine, job_id, error, worker_id="w1", token=lease.token) == "failed"
+    return job_id
+
+
+def pipeline(engine: sa.Engine) -> dict[str, int]:
+    """A failed upstream with a closed dependent, a container with a ready child, a done job."""
+    done = jobq.enqueue(engine, "resize", {"id": 7}, group_key="tenant-b")
+    lease = jobq.claim(engine, "w1", 30)
+    jobq.finalize(engine, lease, {"ok": True}, worker_id="w1", token=lease.token)
+    up = failed_job(engine, group_key="tenant-a")
+    down = jobq.enqueue(engine, "publish", {}, depends_on=[up], group_key="tenant-a")
+    box = jobq.enqueue(engine, "batch", {}, container=True)
+    kid = jobq.enqueue(engine, "part", {"i": 1}, parent=box, group_key="tenant-b")
+    return {"done": done, "up": up, "down": down, "box": box, "kid": kid}
+
+
+def html_ok(r: Reply) -> str:
+    assert r.status == 200, r.body
+    assert r.headers["Content-Type"].startswith("text/html")
+    assert "Traceback" not in r.body or "<pre id=\"error\">" in r.body
+    return r.body
+
+
+def test_every_page_and_its_json_twin(engine: sa.Engine) -> None:
+    """Overview, job list, job detail and groups render, with what an operator looks for; the
+    JSON twins carry the same facts."""
+    ids = pipeline(engine)
+    app = jobq_web.app(engine)
+    page = html_ok(call(app, "/"))
+    assert 'id="count-failed">2<' in page and 'id="count-done">1<' in page and 'id="count-ready">1<' in page
+    assert '<svg class="chart"' in page and "tenant-a" in page and "tenant-b" in page
+    ov = call(app, "/api/overview").json()
+    assert ov["states"]["failed"] == 2 and ov["states"]["done"] == 1  # the upstream, and the dependent it closed
+    assert sum(ov["chart"]["finished"]["done"]) == 1 and sum(ov["chart"]["finished"]["failed"]) == 2
+    groups = {g["group"]: g for g in ov["groups"]}
+    assert groups["tenant-b"]["due"] == 1 and groups["tenant-b"]["weight"] == 1
+    assert groups["tenant-b"]["starts_last_hour"] == 1 and groups["tenant-a"]["starts_last_hour"] == 1
+
+    page = html_ok(call(app, "/jobs"))
+    for i in ids.values():
+        assert f'href="/jobs/{i}"' in page
+    listed = call(app, "/api/jobs").json()
+    assert [j["id"] for j in listed["jobs"]] == sorted(ids.values(), reverse=True) and listed["next_before"] is None
+
+    page = html_ok(call(app, f"/jobs/{ids['down']}"))
+    why = jobq.why(engine, ids["down"])
+    assert f'<p class="why" id="why">{why}</p>' in page and "is failed" in why
+    assert '<svg class="dag"' in page and f'href="/jobs/{ids["up"]}"' in page
+    assert 'data-state="failed"' in page and jobq._COLOURS["failed"] in page
+    detail = call(app, f"/api/jobs/{ids['down']}").json()
+    assert detail["why"] == why and detail["depends_on"] == [ids["up"]]
+    assert {n["id"] for n in detail["graph"]["nodes"]} == {ids["up"], ids["down"]}
+    assert detail["graph"]["edges"] == [[ids["up"], ids["down"]]]
+    assert detail["attempt_history"] is None and detail["progress"] is None
+
+    page = html_ok(call(app, f"/jobs/{ids['up']}"))
+    assert 'id="error">Traceback (most recent call last):\nboom</pre>' in page
+    assert f'href="/jobs/{ids["down"]}"' in page  # its dependent, as a link
+    page = html_ok(call(app, f"/jobs/{ids['done']}"))
+    assert '<pre id="result">{\n  &quot;ok&quot;: true\n}</pre>' in page
+    page = html_ok(call(app, f"/jobs/{ids['kid']}"))
+    assert f'href="/jobs/{ids["box"]}"' in page  # the container, in the picture and as its parent
+    box = call(app, f"/api/jobs/{ids['box']}").json()
+    assert box["children"] == [ids["kid"]] and {n["id"] for n in box["graph"]["nodes"]} == {ids["box"], ids["kid"]}
+
+    page = html_ok(call(app, "/groups"))
+    assert "tenant-a" in page and 'id="policy-note"' in page
+    g = call(app, "/api/groups").json()
+    assert g["policy_stored"] is False and {r["group"] for r in g["groups"]} >= {"tenant-a", "tenant-b"}
+    assert call(app, "/static/jobq.css").headers["Content-Type"].startswith("text/css")
+    assert call(app, "/static/jobq.js").status == 200
+    assert call(app, "/", "HEAD").body == ""
+
+
+def test_no_external_requests_and_a_strict_content_policy(engine: sa.Engine) -> None:
+    """Every page refers only to the app's own files (no CDN), with no inline script: the CSP
+    allows 'self' only, so even an escaping bug could not run a script."""
+    ids = pipeline(engine)
+    app = jobq_web.app(engine, token=TOKEN)
+    for path in ("/", "/jobs", f"/jobs/{ids['down']}", "/groups", "/login"):
+        r = call(app, path)
+        assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+        assert not re.search(r'(src|href)="(https?:)?//', r.body), path
+        assert re.findall(r"<script[^>]*>", r.body) == ['<script src="/static/jobq.js">'], path
+        assert " style=" not in r.body, path
+
+
+def test_filters_and_paging(engine: sa.Engine) -> None:
+    """State, type, group and time range narrow the list; pages chain by id and cover every job once."""
+    ids = pipeline(engine)
+    extra = [jobq.enqueue(engine, "bulk", {}, group_key="tenant-c") for _ in range(5)]
+    app = jobq_web.app(engine)
+    get = lambda q: call(app, "/api/jobs?" + q).json()  # noqa: E731
+    assert [j["id"] for j in get("state=failed")["jobs"]] == sorted([ids["up"], ids["down"]], reverse=True)
+    assert [j["id"] for j in get("type=bulk&group=tenant-c")["jobs"]] == extra[::-1]
+    assert get("group=nobody")["jobs"] == []
+    assert len(get("since=1h")["jobs"]) == 10 and get("until=1h")["jobs"] == []
+    later = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert get(f"since={later}")["jobs"] == [] and len(get(f"until={later}")["jobs"]) == 10
+    seen, before, pages = [], None, 0
+    while True:
+        page = get("limit=3" + (f"&before={before}" if before else ""))
+        seen += [j["id"] for j in page["jobs"]]
+        pages += 1
+        before = page["next_before"]
+        if before is None:
+            break
+    assert seen == sorted(seen, reverse=True) and len(seen) == len(set(seen)) == 10 and pages == 4
+    html = html_ok(call(app, "/jobs?limit=3&type=bulk"))
+    assert 'id="older" href="/jobs?type=bulk&amp;limit=3&amp;before=' in html
+    assert 'value="bulk"' in html
+
+
+@pytest.mark.parametrize("path,status,needle", [
+    ("/jobs/abc", 400, "a job id is a positive whole number"),
+    ("/jobs/0", 400, "a job id is a positive whole number"),
+    ("/jobs/-3", 400, "a job id is a positive whole number"),
+    ("/jobs/99999999999999999999999", 400, "a job id is a positive whole number"),
+    ("/jobs/424242", 404, "no job with id 424242"),
+    ("/api/jobs/424242", 404, "no job with id 424242"),
+    ("/nowhere", 404, "no page at /nowhere"),
+    ("/static/evil.js", 404, "no file"),
+    ("/jobs?state=bogus", 400, "state must be one of"),
+    ("/jobs?limit=0", 400, "limit must be a whole number"),
+    ("/jobs?limit=lots", 400, "limit must be a whole number"),
+    ("/jobs?before=-1", 400, "before must be a whole number"),
+    ("/jobs?since=yesterday", 400, "since must be a duration"),
+    ("/jobs?until=2026-13-45T00:00:00Z", 400, "until must be a duration"),
+    ("/jobs?type=" + "x" * 300, 400, "type is at most 200 characters"),
+    ("/jobs/1/retry", 405, "actions are POST requests"),
+])
+def test_bad_requests_answer_a_clear_error(engine: sa.Engine, path: str, status: int, needle: str) -> None:
+    """Each bad request gets its status and one sentence, as a page or (under /api, or asked
+    for) as JSON; never a traceback."""
+    jobq.enqueue(engine, "t", {})
+    app = jobq_web.app(engine)
+    r = call(app, path)
+    assert r.status == status and needle in r.body and "Traceback" not in r.body, r.body
+    if path.startswith("/api/"):
+        assert r.json() == {"error": r.json()["error"], "status": status}
+    else:
+        assert r.headers["Content-Type"].startswith("text/html") and 'id="error"' in r.body
+    r = call(app, path, headers={"Accept": "application/json"})
+    assert r.status == status and needle in r.json()["error"]
+    assert call(app, "/jobs", "DELETE").status == 405
+    assert call(app, "/groups", "POST").status == 405
+    assert call(app, "/whatever/else", "POST").status == 404
+
+
+def test_a_database_that_went_away_is_a_503_without_its_url() -> None:
+    """No server behind the URL: every page answers 503 with a sentence, and neither the
+    password nor the URL appears in it."""
+    engine = sa.create_engine("postgresql+psycopg://jobq:hunter2-secret@127.0.0.1:1/jobs",
+                              connect_args={"connect_timeout": 2})
+    app = jobq_web.app(engine, token=TOKEN)
+    for path in ("/", "/jobs", "/jobs/1", "/groups", "/api/overview", "/api/jobs/1"):
+        r = call(app, path)
+        assert r.status == 503 and "the database did not answer" in r.body, (path, r.body)
+        assert "hunter2" not in r.body and "127.0.0.1:1" not in r.body and "Traceback" not in r.body
+    engine.dispose()
+
+
+def test_a_deleted_sqlite_file_is_a_503(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "q.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    jobq.create_schema(engine)
+    app = jobq_web.app(engine)
+    assert call(app, "/").status == 200
+    engine.dispose()
+    path.unlink()
+    (tmp_path / "q.db").mkdir()  # the path is now a directory: SQLite cannot open it
+    r = call(app, "/api/overview")
+    assert r.status == 503 and "the database did not answer" in r.json()["error"]
+
+
+def test_every_value_is_escaped(engine: sa.Engine) -> None:
+    """A job whose type, group, args and error hold HTML and script renders them as text on
+    every page (and keeps them intact in JSON)."""
+    bad = failed_job(engine, type=EVIL[:60], error=f"Traceback\n{EVIL}", group_key="g" + EVIL[:40])
+    jobq.enqueue(engine, "ok", {"html": EVIL}, depends_on=[bad])
+    app = jobq_web.app(engine, token=TOKEN)
+    pages = ["/", "/jobs", f"/jobs/{bad}", f"/jobs/{bad + 1}", "/groups", f"/jobs?type={EVIL[:60]}",
+             f"/jobs?group=g{EVIL[:40]}", f"/nope{EVIL}", f"/login?next={EVIL}"]
+    for path in pages:
+        body = call(app, path).body
+        assert "<script>alert" not in body and "<img src=x" not in body, path
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in call(app, f"/jobs/{bad}").body
+    assert EVIL in call(app, f"/api/jobs/{bad}").json()["error"]
+    assert call(app, f"/api/jobs/{bad + 1}").json()["args"] == {"html": EVIL}
+
+
+def test_hide_args_keeps_arguments_off_every_page(engine: sa.Engine) -> None:
+    job = jobq.enqueue(engine, "t", {"card": "4111-1111"})
+    app = jobq_web.app(engine, hide_args=True)
+    assert "4111" not in call(app, f"/jobs/{job}").body and "hidden" in call(app, f"/jobs/{job}").body
+    data = call(app, f"/api/jobs/{job}").json()
+    assert data["args"] is None and data["args_hidden"] is True
+    assert "4111" in call(jobq_web.app(engine), f"/jobs/{job}").body
+
+
+def _session(app: object) -> tuple[str, str]:
+    """Sign in: the session cookie, and the CSRF field the job page carries."""
+    r = call(app, "/login", "POST", form={"token": TOKEN, "next": "/groups"})
+    assert r.status == 303 and r.headers["Location"] == "/groups"
+    cookie = r.cookies[0].split(";")[0]
+    assert "HttpOnly" in r.cookies[0] and "SameSite=Strict" in r.cookies[0]
+    return cookie, ""
+
+
+def test_actions_need_the_token_and_a_csrf_field(engine: sa.Engine) -> None:
+    """Retry and cancel change the job only with the token (a session cookie plus the page's
+    CSRF field, or a bearer header); otherwise 401/403, and the job is as it was."""
+    up = failed_job(engine)
+    live = jobq.enqueue(engine, "t", {})
+    state = lambda i: jobq.get(engine, i).state  # noqa: E731
+
+    ro = jobq_web.app(engine)  # no token: read-only
+    for path in (f"/jobs/{up}/retry", f"/jobs/{live}/cancel"):
+        r = call(ro, path, "POST")
+        assert r.status == 403 and "read-only" in r.body
+        assert call(ro, path, "POST", headers={"Authorization": f"Bearer {TOKEN}"}).status == 403
+    assert 'id="retry"' not in call(ro, f"/jobs/{up}").body
+    assert call(ro, "/login").status == 403
+
+    app = jobq_web.app(engine, token=TOKEN)
+    assert call(app, f"/jobs/{up}/retry", "POST").status == 401
+    assert call(app, f"/jobs/{up}/retry", "POST", headers={"Authorization": "Bearer wrong-token"}).status == 401
+    assert call(app, f"/jobs/{up}/retry", "POST", cookie="jobq_session=forged").status == 401
+    assert call(app, "/login", "POST", form={"token": "wrong-token"}).status == 401
+    cookie, _ = _session(app)
+    page = call(app, f"/jobs/{up}", cookie=cookie).body
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page).group(1)
+    assert call(app, f"/jobs/{up}/retry", "POST", cookie=cookie).status == 403  # no CSRF field
+    assert call(app, f"/jobs/{up}/retry", "POST", cookie=cookie, form={"csrf": "0" * 64}).status == 403
+    r = call(app, f"/jobs/{up}/retry", "POST", cookie=cookie, form={"csrf": csrf},
+             headers={"Origin": "https://evil.example"})
+    assert r.status == 403 and "CSRF" in r.body
+    assert state(up) == "failed" and state(live) == "ready"
+
+    r = call(app, f"/jobs/{up}/retry", "POST", cookie=cookie, form={"csrf": csrf},
+             headers={"Origin": "http://127.0.0.1:8080"})
+    assert r.status == 303 and r.headers["Location"].startswith(f"/jobs/{up}?done=re-opened")
+    assert state(up) == "ready"
+    r = call(app, f"/jobs/{live}/cancel", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and r.json()["result"] == "cancelled" and state(live) == "cancelled"
+    r = call(app, f"/jobs/{up}/retry", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 409 and "ready" in r.json()["error"]  # not failed or cancelled: refused, unchanged
+    assert call(app, "/jobs/424242/cancel", "POST", headers={"Authorization": f"Bearer {TOKEN}"}).status == 404
+    assert call(app, "/jobs/x/cancel", "POST", headers={"Authorization": f"Bearer {TOKEN}"}).status == 400
+    r = call(app, "/logout", "POST", cookie=cookie)
+    assert r.status == 303 and "Max-Age=0" in r.cookies[0]
+
+
+def test_group_pause_needs_the_token_and_says_where_policy_lives(engine: sa.Engine) -> None:
+    """Pause/resume go through the same token and CSRF checks; on a database without stored
+    group policy they answer 501 with a sentence (and change nothing)."""
+    jobq.enqueue(engine, "t", {}, group_key="tenant-a")
+    app = jobq_web.app(engine, token=TOKEN)
+    assert call(app, "/groups/tenant-a/pause", "POST").status == 401
+    cookie, _ = _session(app)
+    assert call(app, "/groups/tenant-a/pause", "POST", cookie=cookie).status == 403
+    r = call(app, "/groups/tenant-a/pause", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 501 and "group policy is not stored in this database" in r.json()["error"]
+    assert call(jobq_web.app(engine), "/groups/tenant-a/resume", "POST").status == 403
+
+
+def test_a_short_token_is_refused(engine: sa.Engine) -> None:
+    with pytest.raises(ValueError, match="at least 8"):
+        jobq_web.app(engine, token="abc")
+
+
+def test_mounted_under_a_prefix_links_stay_inside_it(engine: sa.Engine) -> None:
+    """Under a framework the app sees SCRIPT_NAME: every link, form and file it writes starts with it."""
+    ids = pipeline(engine)
+    app = jobq_web.app(engine, token=TOKEN)
+
+    def mounted(environ: dict, start_response: object) -> object:
+        environ["SCRIPT_NAME"] = "/ops/jobq"
+        return app(environ, start_response)
+
+    body = call(mounted, f"/jobs/{ids['down']}").body
+    assert 'href="/ops/jobq/static/jobq.css"' in body and f'href="/ops/jobq/jobs/{ids["up"]}"' in body
+    assert not re.search(r'(href|src|action)="/(?!ops/jobq)', body)
+
+
+@only("sqlite", "postgresql")  # the engines with partial indexes, as test_stats_reads_only_indexes
+def test_the_overview_reads_only_indexes(engine: sa.Engine) -> None:
+    """The overview stays cheap on millions of finished rows: every statement it runs is
+    planned on an index, none scans the jobs table."""
+    pipeline(engine)
+    seen: list[tuple[str, object]] = []
+
+    def capture(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
+        if " jobs" in statement and not statement.lstrip().upper().startswith("EXPLAIN"):
+            seen.append((statement, parameters))
+
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    jobq_web.overview(engine)
+    sa.event.remove(engine, "before_cursor_execute", capture)
+    assert any("CASE WHEN" in s for s, _ in seen) and len(seen) >= 8
+    with engine.connect() as conn:
+        for statement, params in seen:
+            if engine.dialect.name == "sqlite":
+                plan = " | ".join(str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params))
+                bad = [s for s in plan.split(" | ") if s.startswith("SCAN jobs") and "INDEX ix_jobs_" not in s]
+            else:
+                conn.exec_driver_sql("SET enable_seqscan = off")
+                plan = " | ".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params))
+                bad = ["Seq Scan"] if "Seq Scan on jobs" in plan else []
+            assert not bad, f"{statement}\n{plan}"
+        conn.rollback()
+
+
+# ---- the serve command
+
+
+def test_serve_without_jobq_web_says_what_to_copy(tmp_path: pathlib.Path) -> None:
+    shutil.copy(ROOT / "jobq.py", tmp_path / "jobq.py")
+    db = tmp_path / "q.db"
+    subprocess.run([sys.executable, "jobq.py", "--url", f"sqlite:///{db}", "init"], cwd=tmp_path, check=True,
+                   capture_output=True)
+    # jobq_web may be importable from the test's sys.path (an editable install): block it, so
+    # that this jobq.py finds no dashboard, neither importable nor beside it
+    stub = ("import runpy, sys; sys.modules['jobq_web'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path('jobq.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", stub, "jobq.py", "--url", f"sqlite:///{db}", "serve"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "copy jobq_web.py" in r.stderr and str(tmp_path / "jobq_web.py") in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,code,needle", [
+    (["--port", "http"], 2, "a port is a number from 0 to 65535"),
+    (["--port", "70000"], 2, "a port is a number from 0 to 65535"),
+    (["--token", "short"], 2, "at least 8 characters"),
+])
+def test_serve_refuses_bad_options(tmp_path: pathlib.Path, argv: list[str], code: int, needle: str) -> None:
+    db = tmp_path / "q.db"
+    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "init"], check=True,
+                   capture_output=True)
+    r = subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "serve", *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_on_a_taken_port_says_so(tmp_path: pathlib.Path) -> None:
+    import socket
+
+    db = tmp_path / "q.db"
+    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "init"], check=True,
+                   capture_output=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "serve", "--port",
+                            str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_binds_loopback_and_warns_elsewhere_without_a_token(tmp_path: pathlib.Path) -> None:
+    """`jobq serve` listens on 127.0.0.1 by default and answers; bound to every address without
+    a token it prints a warning first."""
+    import urllib.request
+
+    from helpers_web import running_server
+
+    db = tmp_path / "q.db"
+    url = f"sqlite:///{db}"
+    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", url, "init"], check=True, capture_output=True)
+    with running_server(url, "--port", "0") as (base, err):
+        assert base.startswith("http://127.0.0.1:") and "warning" not in err
+        with urllib.request.urlopen(base + "api/overview", timeout=30) as r:
+            assert json.loads(r.read())["states"]["ready"] == 0
+    with running_server(url, "--host", "0.0.0.0", "--port", "0") as (base, err):
+        assert "warning: the dashboard is bound to 0.0.0.0" in err and "without a token" in err
+
+
+def test_the_seams_call_jobq_apis_where_they_exist(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where jobq has set_group and attempts (added by other work), the dashboard uses them:
+    pause goes through jobq.set_group, and the job page lists the attempt history."""
+    job = failed_job(engine, group_key="tenant-a")
+    calls: list[tuple[object, ...]] = []
+    monkeypatch.setattr(jobq, "set_group", lambda e, g, *, paused: calls.append((e, g, paused)), raising=False)
+    monkeypatch.setattr(jobq, "attempts", lambda e, i: [{"attempt": 1, "error": "<b>boom</b>"}], raising=False)
+    app = jobq_web.app(engine, token=TOKEN)
+    r = call(app, "/groups/tenant-a/pause", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and calls == [(engine, "tenant-a", True)]
+    page = call(app, f"/jobs/{job}").body
+    assert "<h2>Attempts</h2>" in page and "&lt;b&gt;boom&lt;/b&gt;" in page
+    assert call(app, f"/api/jobs/{job}").json()["attempt_history"] == [{"attempt": 1, "error": "<b>boom</b>"}]
