@@ -102,22 +102,22 @@ def check(history: list[dict[str, Any]], table: Table, *, cap: int | None = None
     rows = table.rows
     rep = Report(jobs=len(rows))
     group_caps = group_caps or {}
-    starts: dict[tuple[int, int, int], float] = {}
-    finishes: dict[tuple[int, int, int], tuple[float, Any]] = {}
-    dones: dict[int, list[tuple[int, int, float]]] = collections.defaultdict(list)
-    lost_lease: set[tuple[int, int, int]] = set()
+    starts: dict[tuple[int, str], float] = {}  # (job, run) -> t
+    finishes: dict[tuple[int, str], tuple[float, Any]] = {}
+    dones: dict[int, list[tuple[str, float]]] = collections.defaultdict(list)
+    lost_lease: set[tuple[int, str]] = set()
     started: collections.Counter[int] = collections.Counter()
     for h in history:
         ev = h["ev"]
         if ev == "start":
-            starts[(h["job"], h["attempt"], h["pid"])] = h["t"]
+            starts[(h["job"], h["run"])] = h["t"]
             started[h["job"]] += 1
         elif ev == "finish":
-            finishes[(h["job"], h["attempt"], h["pid"])] = (h["t"], h["result"])
+            finishes[(h["job"], h["run"])] = (h["t"], h["result"])
         elif ev == "done":
-            dones[h["job"]].append((h["attempt"], h["pid"], h["t"]))
+            dones[h["job"]].append((h["run"], h["t"]))
         elif ev == "lease_lost":
-            lost_lease.add((h["job"], h["attempt"], h["pid"]))
+            lost_lease.add((h["job"], h["run"]))
     rep.attempts = len(starts)
     times = [h["t"] for h in history if h["ev"] in ("start", "done")]
     rep.seconds = max(times) - min(times) if times else 0.0
@@ -132,11 +132,10 @@ def check(history: list[dict[str, Any]], table: Table, *, cap: int | None = None
         if r.is_container:
             continue
         res = r.result or {}
-        key = (jid, res.get("attempt"), res.get("pid"))
-        fin = finishes.get(key)  # type: ignore[arg-type]
-        acked = {(a, p) for a, p, _ in dones.get(jid, [])}
+        fin = finishes.get((jid, res.get("run")))  # type: ignore[arg-type]
+        acked = {run for run, _ in dones.get(jid, [])}
         if (fin is None or fin[1] != res or res.get("v") != int((r.args or {}).get("i", 0)) * 7
-                or (res.get("attempt"), res.get("pid")) not in acked):
+                or res.get("run") not in acked):
             rep.unexpected.append(jid)
         if fin is not None:
             accepted_finish[jid] = fin[0]
@@ -144,8 +143,8 @@ def check(history: list[dict[str, Any]], table: Table, *, cap: int | None = None
         if len(ds) > 1:
             rep.done_twice.append(jid)
         res = (rows[jid].result or {}) if jid in rows else {}
-        for a, p, _ in ds:
-            if (a, p) != (res.get("attempt"), res.get("pid")):
+        for run, _ in ds:
+            if run != res.get("run"):
                 rep.acked_lost.append(jid)
                 break
     rep.done_twice.sort()
@@ -198,7 +197,7 @@ def check(history: list[dict[str, Any]], table: Table, *, cap: int | None = None
             memo[x] = s
         return memo[x]
 
-    for (jid, _a, _p), t0 in starts.items():
+    for (jid, _run), t0 in starts.items():
         if jid in rows and any(u not in accepted_finish or t0 < accepted_finish[u] for u in upstream(jid)):
             rep.early.append(jid)
     rep.early = sorted(set(rep.early))
@@ -214,6 +213,7 @@ class Tally:
     lost: int = 0
     done_twice: int = 0
     over_cap: int = 0
+    async_reruns: int = 0  # completions acknowledged by a primary that died before its async standby had them
     resume: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -221,7 +221,7 @@ class Tally:
         resume = f", resume {' / '.join(self.resume)}" if self.resume else ""
         return (f"cluster: {self.hosts} hosts, {self.jobs:,} jobs, {self.partitions} partitions, "
                 f"{self.failovers} failovers, {self.lost} lost, {self.done_twice} done twice, "
-                f"{self.over_cap} over cap{resume}")
+                f"{self.over_cap} over cap, {self.async_reruns} re-run after async failover{resume}")
 
 
 TALLY = Tally()

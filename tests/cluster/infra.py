@@ -126,12 +126,12 @@ class Pg:
             f.write(f"port = {self.port}\nlisten_addresses = '127.0.0.1,{SERVER_ADDR}'\n"
                     f"unix_socket_directories = '{self.datadir}'\n" + extra)
 
-    def initdb(self, sync: bool) -> None:
+    def initdb(self) -> None:
         sh(str(PG_BIN / "initdb"), "-D", str(self.datadir), "-U", "postgres", "-A", "trust", "--no-sync",
            user="postgres")
         self._conf("wal_level = replica\nmax_wal_senders = 5\nhot_standby = on\nmax_connections = 200\n"
                    "fsync = off\nfull_page_writes = on\nshared_buffers = 32MB\nwal_keep_size = 256MB\n"
-                   + ("synchronous_standby_names = '*'\nsynchronous_commit = on\n" if sync else ""))
+                   )
         with open(self.datadir / "pg_hba.conf", "a") as f:
             f.write(f"host all all {NET}.0/24 trust\nhost replication all 127.0.0.1/32 trust\n")
 
@@ -191,7 +191,7 @@ def instances(standby: bool, sync: bool) -> Iterator[tuple[Pg, Pg | None]]:
     primary = Pg(base / "pg-primary", PRIMARY_PORT)
     second = Pg(base / "pg-standby", STANDBY_PORT) if standby else None
     try:
-        primary.initdb(sync=sync)
+        primary.initdb()
         primary.start()
         primary.psql(f"CREATE DATABASE {DBNAME}")
         if second is not None:
@@ -199,6 +199,11 @@ def instances(standby: bool, sync: bool) -> Iterator[tuple[Pg, Pg | None]]:
             second.start()
             wait(lambda: primary.psql("SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
                                       ).strip() == "1", 30, "the standby to stream")
+            if sync:  # only now: with no standby yet, every commit would wait for one
+                primary.psql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+                primary.psql("SELECT pg_reload_conf()")
+                wait(lambda: primary.psql("SELECT sync_state FROM pg_stat_replication").strip() == "sync", 30,
+                     "the standby to be synchronous")
         yield primary, second
     finally:
         for pg in (second, primary):

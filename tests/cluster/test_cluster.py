@@ -92,10 +92,14 @@ def dag(groups: dict[str, int], boxes: int, children: int, sleep: float) -> list
     return items
 
 
-def tally(rep: Report) -> None:
+def tally(rep: Report, lossy_failover: bool = False) -> None:
     TALLY.jobs += rep.jobs
     TALLY.lost += len(rep.lost)
-    TALLY.done_twice += len(rep.done_twice)
+    if lossy_failover:  # a completion the old primary acknowledged and took with it, then re-run
+        TALLY.async_reruns += len(rep.acked_lost)
+        TALLY.done_twice += len(set(rep.done_twice) - set(rep.acked_lost))
+    else:
+        TALLY.done_twice += len(rep.done_twice)
     TALLY.over_cap += rep.over_cap
 
 
@@ -119,7 +123,7 @@ def test_cap_and_dag_hold_across_hosts(hosts: Hosts, procs: list, logdir: pathli
     with instances(standby=False, sync=False) as (pg, _):
         eng = local_engine(pg.url)
         jobq.create_schema(eng)
-        jobq.submit(eng, dag({"a": 1, "b": 1, "c": 1}, boxes=3, children=30, sleep=0.02))
+        jobq.submit(eng, dag({"a": 1, "b": 1, "c": 1}, boxes=3, children=25, sleep=0.02))
         n = total(eng)
         with Sampler(pg.url) as sampler:
             for i in range(len(hosts.names)):
@@ -293,3 +297,82 @@ def test_short_partition_runs_nothing_twice(hosts: Hosts, procs: list, logdir: p
     tally(rep)
     assert (rep.lost, rep.done_twice, rep.unexpected, rep.reruns, rep.over_cap) == ([], [], [], [], 0), rep
     assert not events_of(logdir, h0, "lease_lost")
+
+
+# ---- 3. a database failover ---------------------------------------------------------------------
+
+
+def listeners(pg_url: str) -> int:
+    e = sa.create_engine(pg_url)
+    try:
+        with e.connect() as conn:
+            return conn.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener' "
+                                        "AND query LIKE 'LISTEN%'")).scalar_one()
+    finally:
+        e.dispose()
+
+
+@pytest.mark.parametrize("replication", ["sync", "async"])
+def test_failover_to_a_promoted_standby(hosts: Hosts, procs: list, logdir: pathlib.Path, replication: str) -> None:
+    """A primary and a streaming hot standby; workers on three hosts reach them through one
+    multi-host URL (target_session_attrs=read-write) with LISTEN on. Mid-run the primary's
+    processes are all SIGKILLed (the machine dies) and the standby is promoted.
+
+    Correct, synchronous replication: no acknowledged completion lost, no job completed twice,
+    every job done once, caps held. Asynchronous, with the standby made to lag (it stops
+    receiving WAL while the primary acknowledges 20 more completions): those completions are
+    lost and the jobs run again (counted), yet every job ends done, each job at most once
+    acknowledged on the new timeline, and no stored result is one nobody acknowledged.
+    Both: work resumes on the new primary (time measured), and every worker's listener LISTENs
+    there again. A worker that did not survive its database moving would leave work undone."""
+    ttl, cap, sync = 10.0, 6, replication == "sync"
+    with instances(standby=True, sync=sync) as (pg, sb):
+        assert sb is not None
+        eng = local_engine(pg.url)
+        jobq.create_schema(eng)
+        jobq.submit(eng, dag({"a": 1, "b": 1, "c": 1}, boxes=2, children=50, sleep=0.01))
+        n = total(eng)
+        eng.dispose()
+        with Sampler(multi_host_url()) as sampler:
+            for i in range(len(hosts.names)):
+                procs.append(start_worker(hosts, i, multi_host_url(), logdir, "--cap", str(cap), "--ttl", str(ttl),
+                                          "--listen"))
+            acks = lambda: len([h for h in read_history(logdir) if h["ev"] == "done"])  # noqa: E731
+            wait(lambda: acks() >= n // 3, 120, "a third of the work to be done")
+            if not sync:
+                # An asynchronous standby that lags: it stops receiving WAL (no primary_conninfo;
+                # reloadable since PostgreSQL 13), while the primary acknowledges 20 more completions.
+                sb.psql("ALTER SYSTEM SET primary_conninfo = ''")
+                sb.psql("SELECT pg_reload_conf()")
+                wait(lambda: sb.psql("SELECT count(*) FROM pg_stat_wal_receiver").strip() == "0", 30,
+                     "the standby to stop receiving")
+                k = acks()
+                wait(lambda: acks() >= k + 20, 60, "20 completions the standby does not have")
+            t_kill = time.monotonic()
+            pg.kill9()
+            sb.promote()
+            TALLY.failovers += 1
+            new = local_engine(sb.url)
+            wait(lambda: count_done(new) == n, 180, "the work to finish on the promoted standby", interval=0.2)
+            wait(lambda: listeners(sb.url) == len(hosts.names), 60, "every worker to LISTEN on the new primary")
+        history = read_history(logdir)
+        rep = check(history, read_table(new), cap=cap, samples=sampler.samples)
+        new.dispose()
+    before = {h["run"] for h in history if h["ev"] == "start" and h["t"] < t_kill}
+    resumed = min(h["t"] for h in history if h["ev"] == "done" and h["t"] > t_kill and h["run"] not in before)
+    resume = resumed - t_kill
+    after: dict[int, int] = {}
+    for h in history:
+        if h["ev"] == "done" and h["t"] > t_kill:
+            after[h["job"]] = after.get(h["job"], 0) + 1
+    TALLY.resume.append(f"{resume:.1f} s ({replication})")
+    TALLY.notes.append(f"failover ({replication} replication): resume {resume:.1f} s, "
+                       f"{len(rep.acked_lost)} acknowledged completions lost and re-run; {rep.line()}")
+    tally(rep, lossy_failover=not sync)
+    assert (rep.lost, rep.unexpected) == ([], []), rep
+    assert all(k <= 1 for k in after.values()), "a job was completed twice on the new timeline"
+    assert set(rep.done_twice) <= set(rep.acked_lost), rep
+    if sync:
+        assert (rep.done_twice, rep.acked_lost, rep.early, rep.over_cap) == ([], [], [], 0), rep
+    else:  # what a lagging asynchronous standby costs: re-runs, never a lost or doubled job
+        assert rep.acked_lost and set(rep.acked_lost) <= set(rep.reruns), rep

@@ -5,9 +5,10 @@
 
 Every attempt is logged outside the database, one JSON object a line, in LOGDIR/hist-HOST-PID.jsonl
 (no other process writes that file; CLOCK_MONOTONIC is one clock for every namespace here):
-    {"ev": "start",  "job": id, "attempt": n, "t": s}   the handler begins (after its claim committed)
-    {"ev": "finish", "job": id, "attempt": n, "t": s, "result": {...}}   the handler returns
-    {"ev": "done",   "job": id, "attempt": n, "t": s}   the completion committed (the worker's word)
+    {"ev": "start",  "job": id, "run": r, "attempt": n, "t": s}   the handler begins (claim committed)
+    {"ev": "finish", "job": id, "run": r, "t": s, "result": {...}}   the handler returns
+    {"ev": "done",   "job": id, "run": r, "t": s}   the completion committed (the worker's word)
+(run: PID.N, one per handler call; the result carries it, so the stored result names its run)
     {"ev": "lease_lost" | "reclaimed" | "db_error", ...}  worker events
 The handler "work" waits for the file args["gate"] + "-HOST" if a gate is given (the test opens each
 host's gate), else sleeps args["sleep"].
@@ -65,30 +66,36 @@ def main() -> None:
     ns = p.parse_args()
     pid = os.getpid()
     hist = History(ns.logdir / f"hist-{ns.host}-{pid}.jsonl")
-    attempt_of: dict[int, int] = {}  # job -> the attempt this process last started
+    run_of: dict[int, str] = {}  # job -> the run this process last started it as
+    seq = iter(range(1, 1 << 62))
+    seq_lock = threading.Lock()
 
     def work(ctx: jobq.JobContext) -> dict:
-        attempt_of[ctx.id] = ctx.attempt
-        hist.log(ev="start", job=ctx.id, attempt=ctx.attempt, host=ns.host, pid=pid)
+        # A run id per handler call: after an asynchronous failover the same attempt number
+        # can be handed out twice (the first claim was lost with the old primary).
+        with seq_lock:
+            run = f"{pid}.{next(seq)}"
+        run_of[ctx.id] = run
+        hist.log(ev="start", job=ctx.id, attempt=ctx.attempt, run=run, host=ns.host, pid=pid)
         gate = ctx.args.get("gate")
         if gate:
             while not os.path.exists(f"{gate}-{ns.host}"):  # the test opens the gate; a partition cannot stop this
                 time.sleep(0.02)
         else:
             time.sleep(float(ctx.args.get("sleep", 0.02)))
-        result = {"v": int(ctx.args.get("i", 0)) * 7, "host": ns.host, "pid": pid, "attempt": ctx.attempt}
-        hist.log(ev="finish", job=ctx.id, attempt=ctx.attempt, host=ns.host, pid=pid, result=result)
+        result = {"v": int(ctx.args.get("i", 0)) * 7, "host": ns.host, "run": run, "attempt": ctx.attempt}
+        hist.log(ev="finish", job=ctx.id, attempt=ctx.attempt, run=run, host=ns.host, pid=pid, result=result)
         return result
 
     def checkpoint(point: str, job_ids=()) -> None:  # type: ignore[no-untyped-def]
         if point == "finalized":
             t = time.monotonic()
             for j in job_ids:
-                hist.log(ev="done", job=j, attempt=attempt_of.get(j), host=ns.host, pid=pid, t=t)
+                hist.log(ev="done", job=j, run=run_of.get(j), host=ns.host, pid=pid, t=t)
 
     def on_event(ev: jobq.Event) -> None:
         if ev.action in ("lease_lost", "reclaimed", "db_error"):
-            hist.log(ev=ev.action, job=ev.job_id, attempt=ev.attempt, host=ns.host, pid=pid, error=ev.error)
+            hist.log(ev=ev.action, job=ev.job_id, run=run_of.get(ev.job_id), host=ns.host, pid=pid, error=ev.error)
 
     jobq._checkpoint = checkpoint  # the test entry point's replacement for the no-op
     url = sa.engine.make_url(ns.url)
@@ -120,7 +127,7 @@ def main() -> None:
                 except Exception:  # noqa: BLE001
                     time.sleep(ns.poll)
             if n:
-                hist.log(ev="done", job=lease.id, attempt=lease.attempt, host=ns.host, pid=pid)
+                hist.log(ev="done", job=lease.id, run=run_of.get(lease.id), host=ns.host, pid=pid)
 
     if ns.broken == "cap_outside_claim":
         real = jobq._lease_rows
