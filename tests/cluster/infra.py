@@ -206,8 +206,12 @@ def instances(standby: bool, sync: bool) -> Iterator[tuple[Pg, Pg | None]]:
                      "the standby to be synchronous")
         yield primary, second
     finally:
+        failed = sys.exc_info()[0] is not None
         for pg in (second, primary):
             if pg is not None:
+                if failed and (pg.datadir / "server.log").exists():  # the servers' side of a failure
+                    tail = (pg.datadir / "server.log").read_text(errors="replace").splitlines()[-15:]
+                    print(f"--- {pg.datadir.name} server.log (last lines)", *tail, sep="\n", file=sys.stderr)
                 pg.stop()
         shutil.rmtree(base, ignore_errors=True)
 

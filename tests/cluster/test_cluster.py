@@ -259,6 +259,44 @@ def test_checker_catches_an_unfenced_zombie(hosts: Hosts, procs: list, logdir: p
     assert rep.done_twice == ids and rep.acked_lost == ids, rep
 
 
+def test_partitioned_worker_fences_itself_without_network_timeouts(hosts: Hosts, procs: list, logdir: pathlib.Path,
+                                                                   tmp_path: pathlib.Path) -> None:
+    """Host 0 runs a cooperative handler under a 3 s lease, on a URL without any network timeout
+    (libpq's defaults), and is cut off. Its heartbeat's request is swallowed: the socket waits
+    for the kernel to give up, many minutes.
+
+    Correct: the worker still fences itself on time, lease_ttl minus a margin after its last good
+    heartbeat: the handler is told "lease_lost" while the host is still cut off, its result is
+    not stored, and the job is finished once (by either host) after the heal. A self-fence that waits for the heartbeat to fail
+    never comes during the partition (the wait below times out)."""
+    gate, h0 = tmp_path / "gate", hosts.names[0]
+    pathlib.Path(f"{gate}-{hosts.names[1]}").touch()
+    with instances(standby=False, sync=False) as (pg, _):
+        eng = local_engine(pg.url)
+        jobq.create_schema(eng)
+        ids = list(jobq.submit(eng, [{"key": "c", "type": "work", "args": {"i": 1, "gate": str(gate), "coop": True}}]
+                               ).values())
+        procs.append(start_worker(hosts, 0, host_url(), logdir, "--ttl", "3", "--plain-url"))
+        wait(lambda: events_of(logdir, h0, "start"), 60, "host 0 to start the job")
+        hosts.partition(0)
+        TALLY.partitions += 1
+        try:
+            stopped = wait(lambda: events_of(logdir, h0, "stopped"), 60, "host 0's handler to be told to stop")
+        finally:
+            hosts.heal(0)
+        pathlib.Path(f"{gate}-{h0}").touch()
+        procs.append(start_worker(hosts, 1, host_url(), logdir, "--ttl", "3"))
+        wait(lambda: all_done(eng, ids), 60, "the job to be finished after the heal")
+        table = read_table(eng)
+        rep = check(read_history(logdir), table)
+        eng.dispose()
+    TALLY.notes.append(f"partition without network timeouts: host 0 self-fenced ({stopped[0]['reason']}); {rep.line()}")
+    tally(rep)
+    assert stopped[0]["reason"] == "lease_lost"
+    assert table.rows[ids[0]].result["run"] != stopped[0]["run"], "the fenced run's result was stored"
+    assert (rep.lost, rep.done_twice, rep.unexpected) == ([], [], []), rep
+
+
 def test_short_partition_runs_nothing_twice(hosts: Hosts, procs: list, logdir: pathlib.Path,
                                             tmp_path: pathlib.Path) -> None:
     """Host 0 is cut off for 1 s while it runs 4 jobs under an 8 s lease; the other hosts keep

@@ -9,9 +9,10 @@ Every attempt is logged outside the database, one JSON object a line, in LOGDIR/
     {"ev": "finish", "job": id, "run": r, "t": s, "result": {...}}   the handler returns
     {"ev": "done",   "job": id, "run": r, "t": s}   the completion committed (the worker's word)
 (run: PID.N, one per handler call; the result carries it, so the stored result names its run)
+    {"ev": "stopped", "job": id, "run": r, "reason": why}   a cooperative handler was told to stop
     {"ev": "lease_lost" | "reclaimed" | "db_error", ...}  worker events
 The handler "work" waits for the file args["gate"] + "-HOST" if a gate is given (the test opens each
-host's gate), else sleeps args["sleep"].
+host's gate), else sleeps args["sleep"]; with args["coop"] it also stops when the worker tells it to.
 
 --broken selects a deliberately broken worker the history checker must catch:
     unfenced            claims with jobq, never heartbeats, and writes `done` with a plain UPDATE
@@ -63,6 +64,7 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=0.05)
     p.add_argument("--listen", action="store_true")
     p.add_argument("--broken", default="")
+    p.add_argument("--plain-url", action="store_true", help="drop the URL's network timeouts (libpq defaults)")
     ns = p.parse_args()
     pid = os.getpid()
     hist = History(ns.logdir / f"hist-{ns.host}-{pid}.jsonl")
@@ -78,7 +80,12 @@ def main() -> None:
         run_of[ctx.id] = run
         hist.log(ev="start", job=ctx.id, attempt=ctx.attempt, run=run, host=ns.host, pid=pid)
         gate = ctx.args.get("gate")
-        if gate:
+        if ctx.args.get("coop"):  # a cooperative handler: stops when told, or when its gate opens
+            while not os.path.exists(f"{gate}-{ns.host}") and not ctx.wait(0.05):
+                pass
+            if ctx.stop_requested:
+                hist.log(ev="stopped", job=ctx.id, run=run, host=ns.host, pid=pid, reason=ctx.stop_reason)
+        elif gate:
             while not os.path.exists(f"{gate}-{ns.host}"):  # the test opens the gate; a partition cannot stop this
                 time.sleep(0.02)
         else:
@@ -99,6 +106,8 @@ def main() -> None:
 
     jobq._checkpoint = checkpoint  # the test entry point's replacement for the no-op
     url = sa.engine.make_url(ns.url)
+    if ns.plain_url:
+        url = url.set(query={})
     engine = sa.create_engine(url, pool_pre_ping=True, pool_size=ns.cap + 4)
     group_caps = {str(k): int(v) for k, v in json.loads(ns.group_caps).items()}
     hist.log(ev="ready", host=ns.host, pid=pid)
