@@ -4583,6 +4583,21 @@ class _WorkerCore:
         if not runs and not holding and not unheld:
             return
         started = time.monotonic()
+        margin = min(self.heartbeat_interval, self.lease_ttl * 0.2)
+
+        def fence_stale() -> None:
+            # Self-fence: past lease_ttl minus a margin without a successful beat, another worker
+            # may already have reclaimed the job. Stop and never write its result.
+            for r in runs:
+                if time.monotonic() - r.last_beat > self.lease_ttl - margin:
+                    r.ctx._signal("lease_lost")
+
+        # A request the network swallows (a partition) blocks this beat until the kernel gives
+        # up on the socket, minutes later: a watchdog fences on time meanwhile.
+        beating = threading.Event()
+        if runs:
+            threading.Thread(target=_watch_beat, args=(beating, fence_stale, margin), daemon=True,
+                             name="jobq-beat-watchdog").start()
         try:
             now = self._clock.now()
             expires = now + _dt.timedelta(seconds=self.lease_ttl)
@@ -4602,14 +4617,11 @@ class _WorkerCore:
 
             beat = _transaction(self.engine, write)
         except Exception as exc:  # noqa: BLE001 - the heartbeat outlives every fault
-            # Self-fence: past lease_ttl minus a margin without a successful beat, another worker
-            # may already have reclaimed the job. Stop and never write its result.
             _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
-            margin = min(self.heartbeat_interval, self.lease_ttl * 0.2)
-            for r in runs:
-                if time.monotonic() - r.last_beat > self.lease_ttl - margin:
-                    r.ctx._signal("lease_lost")
+            fence_stale()
             return
+        finally:
+            beating.set()
         if unheld:
             self._lost(unheld)
         lost: list[_Running] = []
@@ -4634,6 +4646,11 @@ class _WorkerCore:
                     r.ctx._signal("lease_lost")
                 return
             self._lost(lost)
+
+
+def _watch_beat(beating: threading.Event, fence_stale: Callable[[], None], margin: float) -> None:
+    while not beating.wait(max(margin / 2, 0.05)):
+        fence_stale()
 
 
 def _hold_slots(conn: Connection, runs: Sequence[_Running], worker_id: str, expires: _dt.datetime) -> None:

@@ -6,6 +6,7 @@
     nox -s races-postgres       the race suite users run to verify their engine
     nox -s crash-postgres       kill-the-worker and database-fault scenarios
     nox -s fairness             fair-share properties and simulations (no database; not in `tests`)
+    nox -s cluster-postgres     worker hosts (network namespaces), partitions, a failover (root)
     nox -s lint                 ruff and mypy
     nox -s package              build the wheel and check it installed (license, py.typed, -m jobq)
 
@@ -122,6 +123,16 @@ def _race_sessions() -> None:
 
 _race_sessions()
 _engine_sessions("crash", ["tests/crash"], "Crash suite on {engine}: SIGKILLed workers, zombies, timeouts, database faults.")
+
+
+@nox.session(name="cluster-postgres", default=False)
+def cluster_postgres(session: nox.Session) -> None:
+    """Cluster suite: 3 worker hosts as network namespaces, partitions, a PostgreSQL failover (root; own servers)."""
+    # It makes its own PostgreSQL primary and standby (ports 55432/55433) and namespaces, and
+    # removes them; it needs root, iproute2, nftables and PostgreSQL 15's binaries, and fails
+    # (never skips) without them. The shared servers named by JOBQ_TEST_*_URL are not used.
+    session.install(*TEST_DEPS)
+    session.run("pytest", "tests/cluster", *session.posargs, env={"JOBQ_TEST_DIALECTS": "sqlite"})
 
 
 @nox.session
