@@ -234,7 +234,7 @@ class ConfigError(JobqError, ValueError):
 #   running   a Worker is executing it under a lease
 #   done / failed / cancelled   terminal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -253,7 +253,7 @@ class Base(orm.DeclarativeBase):
     """Declarative base holding jobq's tables (``Base.metadata`` for Alembic autogenerate)."""
 
 
-def _partial_index(name: str, *cols: str, where: str, sqlite_where: str | None = None) -> sa.Index:
+def _partial_index(name: str, *cols: Any, where: str, sqlite_where: str | None = None) -> sa.Index:
     """An index of only the rows matching ``where``, on the engines with partial indexes
     (PostgreSQL, SQLite). Queries must spell the predicate as the index does: SQLite matches
     partial indexes by exact terms."""
@@ -262,9 +262,13 @@ def _partial_index(name: str, *cols: str, where: str, sqlite_where: str | None =
     ).ddl_if(dialect=("postgresql", "sqlite"))  # type: ignore[arg-type]
 
 
-def _mysql_index(name: str, *cols: str) -> sa.Index:
+def _mysql_index(name: str, *cols: Any) -> sa.Index:
     """The MySQL/MariaDB stand-in for a partial index (they have none): a plain composite."""
     return sa.Index(name, *cols).ddl_if(dialect=("mysql", "mariadb"))  # type: ignore[arg-type,no-any-return]
+
+
+#: The ready index's priority column, descending (the claim reads it forwards).
+_PRIORITY_DESC = sa.text("priority DESC")
 
 
 class Job(Base):
@@ -307,13 +311,16 @@ class Job(Base):
     #: The upstream (or enclosing container) whose failure or cancellation closed this job
     #: (schema 3): retry re-opens by this relation, never by parsing ``error``.
     closed_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
+    #: Claim order within the group, higher first (schema 4).
+    priority: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0, server_default="0")
 
     __table_args__ = (
-        # The claim's scan: ready rows per group, oldest due first. Partial where the engine
-        # has partial indexes, so done and waiting rows never enter it; MySQL/MariaDB lead with
-        # state instead. Keep in sync with _q_candidates, _q_group_counts and _Q_READY_GROUPS.
-        _partial_index("ix_jobs_ready", "group_key", "run_after", "id", where="state = 'ready'"),
-        _mysql_index("ix_jobs_ready_my", "state", "group_key", "run_after", "id"),
+        # The claim's scan: ready rows per group, highest priority first, then oldest due.
+        # Partial where the engine has partial indexes, so done and waiting rows never enter
+        # it; MySQL/MariaDB lead with state instead. Keep in sync with _q_candidates,
+        # _q_group_counts, _Q_READY_GROUPS and _upgrade_4_state (priority: schema 4).
+        _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
+        _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
         # Cap accounting and reclaim read only in-flight rows. lease_expires is deliberately not
         # indexed: heartbeats rewrite it, and an indexed column would defeat PostgreSQL HOT.
         # The predicate is spelled exactly as the queries render `in_flight == true()`, so the
@@ -415,6 +422,7 @@ _Q_SET_SCHEMA_VERSION = (
 _DDL_STARTS_N = sa.DDL("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 NOT NULL")
 _DDL_DROP_STATE_FINISHED = sa.DDL("DROP INDEX ix_jobs_state_finished")
 _DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
+_DDL_PRIORITY = sa.DDL("ALTER TABLE jobs ADD COLUMN priority INTEGER DEFAULT 0 NOT NULL")
 _Q_SQLITE_JOBS_SQL = sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'")
 _Q_SQLITE_OLD_INDEXES = sa.text(
     "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobq_jobs_old' AND sql IS NOT NULL"
@@ -448,6 +456,8 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
         # 2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it).
         if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
             conn.execute(_DDL_CLOSED_BY)
+    if found < 4:
+        _upgrade_4_state(conn, d)
     if d.rowid_reuse:
         # Also part of 2 -> 3, checked on every start (one catalogue read): a jobs table made
         # before it (by any version) still hands out pruned ids again.
@@ -455,6 +465,22 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
     if found < SCHEMA_VERSION:
         conn.execute(_Q_SET_SCHEMA_VERSION, {"b_value": str(SCHEMA_VERSION)})
         logger.info("jobq schema upgraded from version %d to %d", found, SCHEMA_VERSION)
+
+
+def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
+    """3 -> 4 (issue 16): jobs.priority, and the ready index rebuilt with it (the claim's order
+    within a group). Adds only what is missing."""
+    inspector = sa.inspect(conn)
+    if "priority" not in {c["name"] for c in inspector.get_columns("jobs")}:
+        conn.execute(_DDL_PRIORITY)
+    for ix in inspector.get_indexes("jobs"):
+        if ix["name"] in ("ix_jobs_ready", "ix_jobs_ready_my") and "priority" not in ix["column_names"]:
+            next(i for i in _jobs.indexes if i.name == ix["name"]).drop(conn)
+    names = {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}
+    for name in ("ix_jobs_ready", "ix_jobs_ready_my"):
+        index = next(i for i in _jobs.indexes if i.name == name)
+        if name not in names and (d.partial_indexes == (name == "ix_jobs_ready")):
+            index.create(conn)
 
 
 def _autoincrement_jobs(conn: Connection) -> None:
@@ -506,23 +532,26 @@ def _state_is(*states: str) -> sa.ColumnElement[bool]:
 
 
 _TRUE = sa.true()
+#: The claim's order within a group, as the ready index reads it: priority, then due, then id.
+_CLAIM_ORDER = (_c.priority.desc(), _c.run_after, _c.id)
 
 
 def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Select[Any]:
-    """The runnable leaves at ``now``: a plain SELECT of job rows, oldest due first.
+    """The runnable leaves at ``now``: a plain SELECT of job rows, in claim order.
 
     Args:
         now: naive UTC time (the database's clock) against which ``run_after`` is compared.
         types: restrict to these job types (None: every type).
 
     Returns:
-        A SQLAlchemy ``Select`` over ``jobs``; it takes no locks. Claims use the same
-        predicate per group, with row locks, inside their transaction.
+        A SQLAlchemy ``Select`` over ``jobs``, highest ``priority`` first, then oldest due; it
+        takes no locks. Claims use the same predicate and order per group, with row locks,
+        inside their transaction.
     """
     stmt = sa.select(_jobs).where(_state_is("ready"), _c.run_after <= now)
     if types is not None:
         stmt = stmt.where(_c.type.in_(list(types)))
-    return stmt.order_by(_c.run_after, _c.id)
+    return stmt.order_by(*_CLAIM_ORDER)
 
 
 # The distinct groups with ready jobs, by a skip scan of the ready index: one index probe per
@@ -555,7 +584,7 @@ def _q_group_counts(groups: Sequence[str], now: _dt.datetime, types: Sequence[st
         inner = sa.select(_c.weight).where(_state_is("ready"), _c.group_key == g, _c.run_after <= now)
         if types is not None:
             inner = inner.where(_c.type.in_(types))
-        sub = inner.order_by(_c.run_after, _c.id).limit(limit).subquery()
+        sub = inner.order_by(*_CLAIM_ORDER).limit(limit).subquery()
         parts.append(sa.select(sa.literal(g, _NAME), sa.func.count(), sa.func.max(sub.c.weight)).select_from(sub))
     return sa.union_all(*parts)
 
@@ -579,7 +608,7 @@ def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
                                             _c.run_after <= sa.bindparam("b_now", type_=_TS))
         if typed:
             stmt = stmt.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
-        return d.lock_skip(stmt.order_by(_c.run_after, _c.id).limit(sa.bindparam("b_limit", type_=sa.Integer)))
+        return d.lock_skip(stmt.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
 
     return _prebuilt(d, f"candidates:{typed}", build)
 
@@ -662,11 +691,12 @@ def _q_holders() -> sa.Select[Any]:
             .where(_c.in_flight == _TRUE).group_by(_c.lease_owner, _c.group_key))
 
 
-def _q_ahead_in_group(group: str, run_after: _dt.datetime, job_id: int, now: _dt.datetime) -> sa.Select[Any]:
-    """How many due jobs of ``group`` a claim takes before this one (oldest due first, as the claim)."""
+def _q_ahead_in_group(group: str, priority: int, run_after: _dt.datetime, job_id: int, now: _dt.datetime) -> sa.Select[Any]:
+    """How many due jobs of ``group`` a claim takes before this one (in _CLAIM_ORDER)."""
     return sa.select(sa.func.count()).where(
         _state_is("ready"), _c.group_key == group, _c.run_after <= now,
-        sa.or_(_c.run_after < run_after, sa.and_(_c.run_after == run_after, _c.id < job_id)))
+        sa.or_(_c.priority > priority, sa.and_(_c.priority == priority, sa.or_(
+            _c.run_after < run_after, sa.and_(_c.run_after == run_after, _c.id < job_id)))))
 
 
 def _q_ready_by_group(now: _dt.datetime) -> sa.Select[Any]:
@@ -1926,6 +1956,7 @@ MAX_NAME_LENGTH = 200
 MAX_TIMEDELTA = _dt.timedelta(days=1000 * 366)
 
 _INT64 = 1 << 63
+_INT32 = 1 << 31
 _MIN_TIME = _dt.datetime(1970, 1, 2)
 _MAX_TIME = _dt.datetime(9999, 12, 30)
 
@@ -2115,6 +2146,8 @@ class JobInfo:
     cancel_requested: bool
     pending_deps: int
     pending_children: int
+    #: Claim order within the group, higher first (schema 4).
+    priority: int = 0
 
 
 _JOBINFO_COLUMNS = tuple(f.name for f in dataclasses.fields(JobInfo) if f.name != "depends_on")
@@ -2232,6 +2265,7 @@ class _JobSpec:
     run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
     max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
+    priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
 
 
 _JOB_FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(_JobSpec)
@@ -2277,6 +2311,7 @@ def enqueue(
     run_after: _dt.datetime | _dt.timedelta | None = None,
     max_attempts: int = 3,
     timeout: float | None = None,
+    priority: int = 0,
 ) -> int:
     """Add one job (or container) to the queue and return its id.
 
@@ -2296,6 +2331,9 @@ def enqueue(
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
         max_attempts: how many times the job may be dispatched (1-1000).
         timeout: seconds one dispatch may run before it is timed out (None: the worker default).
+        priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
+            default 0); ties go to the oldest due, then the lowest id. It never overrides fair
+            share between groups.
 
     Returns:
         The new job's id.
@@ -2315,7 +2353,8 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
 
     Each item is a dict with a unique ``"key"`` (a string naming it within this call) and the
     keyword arguments of :func:`enqueue` (``type`` required; ``args``, ``group_key``, ``weight``,
-    ``depends_on``, ``parent``, ``container``, ``run_after``, ``max_attempts``, ``timeout``).
+    ``depends_on``, ``parent``, ``container``, ``run_after``, ``max_attempts``, ``timeout``,
+    ``priority``).
     In ``depends_on`` and ``parent``, a string refers to another item's key and an int to an
     existing job id.
 
@@ -3512,10 +3551,10 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         holders = conn.execute(_q_holders()).all()
         total = sum(n for _, _, n in holders)
         mine = sum(n for _, g, n in holders if g == r.group_key)
-        ahead = conn.execute(_q_ahead_in_group(r.group_key, r.run_after, r.id, t)).scalar_one()
+        ahead = conn.execute(_q_ahead_in_group(r.group_key, r.priority, r.run_after, r.id, t)).scalar_one()
         owners = sorted({o for o, _, _ in holders if o})
         return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker: "
-                f"{ahead} older due job(s) ahead of it in its group; "
+                f"{ahead} due job(s) ahead of it in its group (by priority, then age); "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
                    ": no worker is running jobs; is a worker with a handler for this type up?"))
@@ -5330,6 +5369,7 @@ def _parser() -> argparse.ArgumentParser:
     when.add_argument("--run-after", type=_run_after, metavar="TIME", help="not before this time (ISO 8601 with a zone, e.g. 2030-01-31T09:00:00Z)")
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run (default: the worker's)")
     p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="dispatches before it fails (default: 3)")
+    p.add_argument("--priority", type=int, default=0, metavar="N", help="claim order within its group, higher first (default: 0)")
     p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")
     p.add_argument("--watch", type=_interval, metavar="SECONDS", help="refresh in place every SECONDS")
     p = add("ls", "list jobs, newest first")
@@ -5445,7 +5485,7 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         when = ns.delay if ns.delay is not None else ns.run_after
         job_id = enqueue(engine, ns.type, args, group_key=ns.group, weight=ns.weight, depends_on=ns.depends_on + ns.after,
                          parent=ns.parent, container=ns.container, run_after=when, max_attempts=ns.max_attempts,
-                         timeout=ns.timeout)
+                         timeout=ns.timeout, priority=ns.priority)
         _print_json({"id": job_id}) if ns.json else print(job_id)
     elif cmd == "status":
         while True:
