@@ -44,6 +44,7 @@ import sqlalchemy as sa
 from sqlalchemy import event, orm
 from sqlalchemy.dialects import mysql as _mysql
 from sqlalchemy.dialects import postgresql as _pg
+from sqlalchemy.dialects import sqlite as _sqlite
 from sqlalchemy.engine import Connection, Engine
 
 __version__ = "0.1.0"
@@ -269,6 +270,8 @@ def _mysql_index(name: str, *cols: Any) -> sa.Index:
 
 #: The ready index's priority column, descending (the claim reads it forwards).
 _PRIORITY_DESC = sa.text("priority DESC")
+#: The rows that hold their unique_key: unfinished ones. Keep in sync with _DDL_UNIQUE_LIVE.
+_UNIQUE_LIVE_WHERE = "unique_key IS NOT NULL AND state IN ('waiting', 'ready', 'leased', 'running')"
 
 
 class Job(Base):
@@ -313,6 +316,9 @@ class Job(Base):
     closed_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
     #: Claim order within the group, higher first (schema 4).
     priority: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0, server_default="0")
+    #: At most one unfinished job holds a key (schema 4): ux_jobs_unique_live, or on
+    #: MySQL/MariaDB the generated column unique_live (see _DDL_UNIQUE_LIVE).
+    unique_key: orm.Mapped[str | None] = orm.mapped_column(_NAME, nullable=True)
 
     __table_args__ = (
         # The claim's scan: ready rows per group, highest priority first, then oldest due.
@@ -336,6 +342,11 @@ class Job(Base):
         _mysql_index("ix_jobs_state_finished", "state", "finished_at"),
         # stats() counts blocked jobs through this (schema 2); on MySQL/MariaDB the state index.
         _partial_index("ix_jobs_waiting", "group_key", where="state = 'waiting'"),
+        # Unique jobs (schema 4): one unfinished job per unique_key, enforced by the database so
+        # that concurrent enqueuers cannot both insert. Keep the predicate in sync with
+        # _UNIQUE_LIVE_WHERE (the insert's ON CONFLICT names it). MySQL/MariaDB: _DDL_UNIQUE_LIVE.
+        sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
+                 sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(dialect=("postgresql", "sqlite")),  # type: ignore[arg-type]
         # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
         # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
         # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
@@ -406,6 +417,18 @@ _jobs: sa.Table = Job.__table__  # type: ignore[assignment]
 _deps: sa.Table = JobDep.__table__  # type: ignore[assignment]
 _c = _jobs.c
 
+# MySQL/MariaDB have no partial indexes: a stored generated column that is the key while the
+# job is unfinished and NULL after (NULLs never collide in a unique index), unique-indexed.
+# Not part of the Table (nothing writes it); created with the table and by _upgrade_4_state.
+_DDL_UNIQUE_LIVE = (
+    sa.DDL("ALTER TABLE jobs ADD COLUMN unique_live VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+           "GENERATED ALWAYS AS (CASE WHEN state IN ('waiting', 'ready', 'leased', 'running') "
+           "THEN unique_key END) STORED"),
+    sa.DDL("CREATE UNIQUE INDEX ux_jobs_unique_live_my ON jobs (unique_live)"),
+)
+for _ddl in _DDL_UNIQUE_LIVE:
+    sa.event.listen(_jobs, "after_create", _ddl.execute_if(dialect=("mysql", "mariadb")))  # type: ignore[arg-type]
+
 #: The jobq_meta row every capped claim locks: the cap's serialisation point.
 _CLAIM_LOCK_KEY = "claim_lock"
 
@@ -469,17 +492,24 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
 
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
     """3 -> 4 (issue 16): jobs.priority, and the ready index rebuilt with it (the claim's order
-    within a group). Adds only what is missing."""
+    within a group); jobs.unique_key with its unique index over unfinished rows (on MySQL/MariaDB
+    through the generated column unique_live). Adds only what is missing."""
     inspector = sa.inspect(conn)
-    if "priority" not in {c["name"] for c in inspector.get_columns("jobs")}:
+    columns = {c["name"] for c in inspector.get_columns("jobs")}
+    if "priority" not in columns:
         conn.execute(_DDL_PRIORITY)
+    if "unique_key" not in columns:
+        conn.execute(sa.DDL(f"ALTER TABLE jobs ADD COLUMN unique_key {_NAME.compile(dialect=conn.dialect)}"))
+    if d.live_key_column == "unique_live" and "unique_live" not in columns:
+        for ddl in _DDL_UNIQUE_LIVE:
+            conn.execute(ddl)
     for ix in inspector.get_indexes("jobs"):
         if ix["name"] in ("ix_jobs_ready", "ix_jobs_ready_my") and "priority" not in ix["column_names"]:
             next(i for i in _jobs.indexes if i.name == ix["name"]).drop(conn)
     names = {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}
-    for name in ("ix_jobs_ready", "ix_jobs_ready_my"):
+    for name in ("ix_jobs_ready", "ix_jobs_ready_my", "ux_jobs_unique_live"):
         index = next(i for i in _jobs.indexes if i.name == name)
-        if name not in names and (d.partial_indexes == (name == "ix_jobs_ready")):
+        if name not in names and (d.partial_indexes == (name != "ix_jobs_ready_my")):
             index.create(conn)
 
 
@@ -805,6 +835,15 @@ def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElemen
 _BAD = ("failed", "cancelled")
 _OPEN = ("waiting", "ready", "leased", "running")
 _Q_INSERT_JOB = sa.insert(_jobs)
+
+
+def _q_live_keys(live_key: sa.ColumnElement[str], keys: Sequence[str]) -> sa.Select[Any]:
+    """Unfinished jobs holding these unique keys, through the unique index (the dialect names
+    the column: _Dialect.live_keys)."""
+    stmt = sa.select(_c.unique_key, _c.id).where(live_key.in_(list(keys)))
+    if live_key.name == "unique_key":  # the partial index: spell its predicate for the planner
+        stmt = stmt.where(_c.unique_key.is_not(None), _state_is(*_OPEN))
+    return stmt.order_by(_c.id)
 _Q_INSERT_JOBS = sa.insert(_jobs).returning(_c.id, sort_by_parameter_order=True)
 _Q_INSERT_DEPS = sa.insert(_deps)
 # A job born closed learns its cause's id only once every row of the submit has one.
@@ -1316,6 +1355,13 @@ class _Dialect:
     #: An optimizer hint for the recursive skip scan over groups (Oracle MySQL stops recursion
     #: at cte_max_recursion_depth, 1,000 by default: one level per group with ready work).
     recursion_hint: str = ""
+    #: The column that holds a job's unique_key while it is unfinished, NULL after: the key
+    #: itself under a partial unique index, or MySQL/MariaDB's generated unique_live.
+    live_key_column: str = "unique_key"
+    #: The dialect's INSERT construct with ON CONFLICT DO NOTHING (PostgreSQL, SQLite), for
+    #: keyed inserts against the partial unique index. None (MySQL/MariaDB): a duplicate key
+    #: fails only its INSERT statement (1062), and the transaction goes on.
+    on_conflict: Any = None
 
     @property
     def statement_key(self) -> str:
@@ -1397,6 +1443,29 @@ class _Dialect:
             # the pool slot.
             conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}")
 
+    def live_keys(self, conn: Connection, keys: Sequence[str]) -> dict[str, int]:
+        """The unfinished jobs holding these unique keys: key -> id. A locking read: it waits
+        for a transaction that inserted one of the keys and reads the latest committed rows,
+        whatever the caller's isolation level; the rows stay share-locked (they cannot
+        finish) until this transaction ends."""
+        stmt = self.lock_share(_q_live_keys(sa.literal_column(self.live_key_column, _NAME), keys))
+        return {k: int(i) for k, i in conn.execute(stmt)}
+
+    def insert_unique(self, conn: Connection, row: Mapping[str, Any]) -> int | None:
+        """Insert one job row that has a unique_key; None when an unfinished job already holds
+        the key (a concurrent transaction committed it after this one looked). Never writes a
+        duplicate, and leaves the transaction usable."""
+        if self.on_conflict is not None:
+            stmt = _prebuilt(self, "insert_unique", lambda: self.on_conflict(_jobs).on_conflict_do_nothing(
+                index_elements=[_c.unique_key], index_where=sa.text(_UNIQUE_LIVE_WHERE)).returning(_c.id))
+            return conn.execute(stmt, dict(row)).scalar()
+        try:
+            return int(conn.execute(_Q_INSERT_JOB, dict(row)).inserted_primary_key[0])  # type: ignore[index]
+        except sa.exc.IntegrityError as exc:
+            if getattr(exc.orig, "args", (None,))[0] == 1062:  # ER_DUP_ENTRY: only this statement failed
+                return None
+            raise
+
     def retryable(self, exc: BaseException) -> bool:
         """Errors after which the whole transaction was (or must be) rolled back and may rerun."""
         orig = getattr(exc, "orig", None)
@@ -1413,7 +1482,7 @@ class _Dialect:
 def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
     """One row per engine: everything jobq branches on is decided here."""
     if family == "postgresql":
-        return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True,
+        return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True, on_conflict=_pg.insert,
                         key_share_locks=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
                         # serialization failure, deadlock, lock_not_available
                         retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True,
@@ -1428,10 +1497,11 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                         schema_lock=(f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
                                      f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')"),
                         recursion_hint="" if family == "mariadb" else
-                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ")
+                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
+                        live_key_column="unique_live")
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
     return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
-                    rowid_reuse=True)
+                    rowid_reuse=True, on_conflict=_sqlite.insert)
 
 
 #: The lock concurrent create_schema calls queue on: a PostgreSQL advisory lock id ("jobq" in
@@ -2148,6 +2218,8 @@ class JobInfo:
     pending_children: int
     #: Claim order within the group, higher first (schema 4).
     priority: int = 0
+    #: The job's unique key, held while it is unfinished (schema 4).
+    unique_key: str | None = None
 
 
 _JOBINFO_COLUMNS = tuple(f.name for f in dataclasses.fields(JobInfo) if f.name != "depends_on")
@@ -2266,6 +2338,7 @@ class _JobSpec:
     max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
     priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
+    unique_key: str | None = _field(None, lambda v, keys: None if v is None else _check_name(v, "unique_key"), "unique_key")
 
 
 _JOB_FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(_JobSpec)
@@ -2312,6 +2385,7 @@ def enqueue(
     max_attempts: int = 3,
     timeout: float | None = None,
     priority: int = 0,
+    unique_key: str | None = None,
 ) -> int:
     """Add one job (or container) to the queue and return its id.
 
@@ -2334,9 +2408,14 @@ def enqueue(
         priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
             default 0); ties go to the oldest due, then the lowest id. It never overrides fair
             share between groups.
+        unique_key: while an unfinished job (waiting, ready, leased or running) holds this key,
+            return that job's id and write nothing; once it is done, failed or cancelled the
+            key is free again. 1-200 characters, compared exactly. Enforced by a unique index,
+            so concurrent enqueuers get one job; see the README's "Unique jobs" for what
+            happens inside your own transaction.
 
     Returns:
-        The new job's id.
+        The new job's id (or, with ``unique_key``, the id of the unfinished job holding it).
 
     Raises:
         InvalidJob: bad input, an unknown dependency or parent, a parent that is not an open
@@ -2354,7 +2433,10 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
     Each item is a dict with a unique ``"key"`` (a string naming it within this call) and the
     keyword arguments of :func:`enqueue` (``type`` required; ``args``, ``group_key``, ``weight``,
     ``depends_on``, ``parent``, ``container``, ``run_after``, ``max_attempts``, ``timeout``,
-    ``priority``).
+    ``priority``, ``unique_key``).
+    An item whose ``unique_key`` an unfinished job already holds is not inserted: the mapping
+    gives that job's id for its key, and items that depend on it (or are its children, when it
+    is a container) are wired to that job. Two items with the same ``unique_key`` are refused.
     In ``depends_on`` and ``parent``, a string refers to another item's key and an int to an
     existing job id.
 
@@ -2366,7 +2448,9 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
             key or job id, a cycle among the submitted edges (the cycle is named), a child of a
             non-container or of a finished container, a new container without children, or a
             deadlock through containers, also through existing jobs (a child that depends on
-            work that waits for its own container). Nothing is written.
+            work that waits for its own container), a ``unique_key`` given twice, or a new
+            container whose children all turned out to exist already (by ``unique_key``).
+            Nothing is written.
     """
     return _submit(target, _plan(jobs, single=False))
 
@@ -2417,6 +2501,16 @@ def _plan(items: Sequence[Mapping[str, Any]], *, single: bool) -> _Plan:
             if single:
                 raise
             raise InvalidJob(f"submit: job {key!r}: {exc}") from None
+    holder: dict[str, str] = {}
+    for key, sp in specs.items():
+        if sp.unique_key is not None and holder.setdefault(sp.unique_key, key) != key:
+            raise InvalidJob(f"submit: jobs {holder[sp.unique_key]!r} and {key!r} have the same unique_key {sp.unique_key!r}")
+    return _link(specs, single)
+
+
+def _link(specs: dict[str, _JobSpec], single: bool) -> _Plan:
+    """The plan of checked specs: their references to each other, checked, in an order where
+    upstreams and containers come first."""
     deps = {k: [u for u in sp.depends_on if isinstance(u, str)] for k, sp in specs.items()}
     parent = {k: sp.parent for k, sp in specs.items() if isinstance(sp.parent, str)}
     plan = _Plan(specs, deps, parent, list(specs), single)
@@ -2460,19 +2554,66 @@ def _wait_graph(plan: _Plan, existing: Mapping[Any, Sequence[Any]]) -> dict[Any,
     return waits
 
 
+class _KeyTaken(Exception):
+    """A unique_key was taken by a transaction that committed after this one looked: undo this
+    insert (its transaction or savepoint) and run it again, which then finds the holder."""
+
+
+#: Reruns of an insert whose unique keys were taken meanwhile (each rerun finds more holders).
+_KEY_RERUNS = 5
+
+
 def _submit(target: Engine | Connection | orm.Session, plan: _Plan) -> dict[str, int]:
-    if isinstance(target, Engine):
-        # No retry on a connection lost during COMMIT (_transaction): it may have landed, and a
-        # second insert would duplicate the jobs. Deadlocks and SQLITE_BUSY rolled back for sure.
-        return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn)))
-    d = _prepare(_engine_of(target))
-    conn = _target_connection(target)  # type: ignore[arg-type]
-    return _insert_graph(conn, d, plan, d.db_now(conn))
+    keyed = any(sp.unique_key is not None for sp in plan.specs.values())
+    for _ in range(_KEY_RERUNS):
+        try:
+            if isinstance(target, Engine):
+                # No retry on a connection lost during COMMIT (_transaction): it may have landed,
+                # and a second insert would duplicate the jobs. Deadlocks and SQLITE_BUSY rolled
+                # back for sure.
+                return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn)))
+            d = _prepare(_engine_of(target))
+            conn = _target_connection(target)  # type: ignore[arg-type]
+            if not keyed:
+                return _insert_graph(conn, d, plan, d.db_now(conn))
+            # In the caller's transaction, a lost race on a key must undo only our own writes.
+            with conn.begin_nested():
+                return _insert_graph(conn, d, plan, d.db_now(conn))
+        except _KeyTaken:
+            continue
+    raise JobqError(f"unique_key: the keys were taken by concurrent transactions {_KEY_RERUNS} times in a row")
 
 
 def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
     """Read and check everything, then write: the new rows, their edges, the containers' child
     counts, and the propagation of jobs born closed (an upstream already failed)."""
+    keys = {sp.unique_key: k for k, sp in plan.specs.items() if sp.unique_key is not None}
+    held: dict[str, int] = {}
+    if keys:
+        for chunk in _chunks(sorted(keys)):
+            held.update((keys[u], i) for u, i in d.live_keys(conn, chunk).items())
+        if held:
+            plan = _without(plan, held)
+    ids = _insert_new(conn, d, plan, now) if plan.specs else {}
+    return {**ids, **held}
+
+
+def _without(plan: _Plan, held: Mapping[str, int]) -> _Plan:
+    """The plan without the items whose unique keys unfinished jobs hold; references to them
+    name those jobs' ids instead."""
+    def ref(x: Any) -> Any:
+        return held.get(x, x) if isinstance(x, str) else x
+
+    specs = {k: dataclasses.replace(sp, depends_on=tuple(dict.fromkeys(ref(u) for u in sp.depends_on)), parent=ref(sp.parent))
+             for k, sp in plan.specs.items() if k not in held}
+    parents = {sp.parent for sp in specs.values()}
+    empty = [k for k, sp in specs.items() if sp.container and k not in parents and k in plan.parent.values()]
+    if empty:
+        raise InvalidJob(f"submit: container {empty[0]!r} would have no children: unfinished jobs hold all their unique keys")
+    return _link(specs, plan.single)
+
+
+def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
     specs = plan.specs
     prefix = "" if plan.single else "submit: "
     ext_deps = sorted({u for sp in specs.values() for u in sp.depends_on if isinstance(u, int)})
@@ -2639,6 +2780,14 @@ def _existing_waits(conn: Connection, starts: Iterable[Any]) -> tuple[dict[Any, 
 
 def _insert_rows(conn: Connection, d: _Dialect, rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """Insert job rows and return their ids in order (one statement where RETURNING allows)."""
+    if any(r["unique_key"] is not None for r in rows):
+        out: list[int] = []
+        for r in rows:
+            got = d.insert_unique(conn, r) if r["unique_key"] is not None else _insert_rows(conn, d, [r])[0]
+            if got is None:
+                raise _KeyTaken(r["unique_key"])
+            out.append(int(got))
+        return out
     if len(rows) == 1 or not d.returning:  # without INSERT ... RETURNING (MySQL): one row at a time
         return [int(conn.execute(_Q_INSERT_JOB, dict(r)).inserted_primary_key[0]) for r in rows]  # type: ignore[index]
     return [int(x) for x in conn.execute(_Q_INSERT_JOBS, list(rows)).scalars()]
@@ -3374,7 +3523,11 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> li
             x = conn.execute(_q_lock_jobs(d, [x.parent_id])).one()
             if x.state not in _BAD:
                 break
-        reopened = _reopen(conn, d, t, job_id)
+        try:
+            reopened = _reopen(conn, d, t, job_id)
+        except sa.exc.IntegrityError as exc:  # only ux_jobs_unique_live can refuse a re-open
+            raise InvalidJob(f"retry: job {job_id} (or a job it re-opens) has a unique_key that an unfinished "
+                             f"job holds now: {_one_line(exc.orig)}") from None
         if job_id in reopened:
             reopened.remove(job_id)
             reopened.insert(0, job_id)
@@ -5370,6 +5523,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run (default: the worker's)")
     p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="dispatches before it fails (default: 3)")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="claim order within its group, higher first (default: 0)")
+    p.add_argument("--unique-key", metavar="KEY", help="while an unfinished job holds KEY, print its id and add nothing")
     p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")
     p.add_argument("--watch", type=_interval, metavar="SECONDS", help="refresh in place every SECONDS")
     p = add("ls", "list jobs, newest first")
@@ -5485,7 +5639,7 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         when = ns.delay if ns.delay is not None else ns.run_after
         job_id = enqueue(engine, ns.type, args, group_key=ns.group, weight=ns.weight, depends_on=ns.depends_on + ns.after,
                          parent=ns.parent, container=ns.container, run_after=when, max_attempts=ns.max_attempts,
-                         timeout=ns.timeout, priority=ns.priority)
+                         timeout=ns.timeout, priority=ns.priority, unique_key=ns.unique_key)
         _print_json({"id": job_id}) if ns.json else print(job_id)
     elif cmd == "status":
         while True:

@@ -10,7 +10,7 @@ import jobq
 from helpers import FAST, db_now
 
 #: What schema 4 added for issue 16 (columns of jobs); schema 3 had none of them.
-NEW_COLUMNS = ("priority",)
+NEW_COLUMNS = ("priority", "unique_key")
 
 
 def _schema_3() -> sa.MetaData:
@@ -21,7 +21,7 @@ def _schema_3() -> sa.MetaData:
         t = table.to_metadata(md)
         if t.name == "jobs":
             for ix in list(t.indexes):
-                if ix.name in ("ix_jobs_ready", "ix_jobs_ready_my"):
+                if ix.name in ("ix_jobs_ready", "ix_jobs_ready_my", "ux_jobs_unique_live"):
                     t.indexes.discard(ix)
             for name in NEW_COLUMNS:
                 t._columns.remove(t.c[name])  # type: ignore[attr-defined]
@@ -62,11 +62,17 @@ def test_a_schema_3_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
         version = conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar()
     assert version == str(jobq.SCHEMA_VERSION) == "4"
     assert jobq.get(engine, 1).priority == 0  # type: ignore[union-attr]
-    first = jobq.enqueue(engine, "t", args={"n": 99}, priority=1)
+    if jobq._prepare(engine).live_key_column == "unique_live":
+        assert "unique_live" in {c["name"] for c in insp.get_columns("jobs")}
+    else:
+        assert "ux_jobs_unique_live" in {i["name"] for i in insp.get_indexes("jobs")}
+    keyed = jobq.enqueue(engine, "t", args={"n": 100}, unique_key="k", priority=-1, group_key="g")
+    assert jobq.enqueue(engine, "t", unique_key="k") == keyed
+    first = jobq.enqueue(engine, "t", args={"n": 99}, priority=1, group_key="g")
     ran: list[int] = []
     w = jobq.Worker(engine, {"t": lambda ctx: ran.append(ctx.args["n"])}, max_concurrency=1, **FAST)
     assert w.run_until_idle(timeout=60)
-    assert ran == [99, 0, 1, 2]
+    assert ran == [99, 0, 1, 2, 100]
     assert jobq.get(engine, first).state == "done"  # type: ignore[union-attr]
     # Leave the fresh schema the other tests expect (the fixture creates it once per database).
     jobq.Base.metadata.drop_all(engine)
