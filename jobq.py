@@ -319,6 +319,10 @@ class Job(Base):
     #: At most one unfinished job holds a key (schema 4): ux_jobs_unique_live, or on
     #: MySQL/MariaDB the generated column unique_live (see _DDL_UNIQUE_LIVE).
     unique_key: orm.Mapped[str | None] = orm.mapped_column(_NAME, nullable=True)
+    #: The handler's last ctx.checkpoint(), handed to every later dispatch (schema 4).
+    checkpoint: orm.Mapped[Any] = orm.mapped_column(_JSONCOL, nullable=True)
+    #: The handler's last ctx.progress(), written by the heartbeat; kept on finish (schema 4).
+    progress: orm.Mapped[Any] = orm.mapped_column(_JSONCOL, nullable=True)
 
     __table_args__ = (
         # The claim's scan: ready rows per group, highest priority first, then oldest due.
@@ -493,11 +497,15 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
     """3 -> 4 (issue 16): jobs.priority, and the ready index rebuilt with it (the claim's order
     within a group); jobs.unique_key with its unique index over unfinished rows (on MySQL/MariaDB
-    through the generated column unique_live). Adds only what is missing."""
+    through the generated column unique_live); jobs.checkpoint and jobs.progress. Adds only what
+    is missing."""
     inspector = sa.inspect(conn)
     columns = {c["name"] for c in inspector.get_columns("jobs")}
     if "priority" not in columns:
         conn.execute(_DDL_PRIORITY)
+    for name in ("checkpoint", "progress"):
+        if name not in columns:
+            conn.execute(sa.DDL(f"ALTER TABLE jobs ADD COLUMN {name} {_JSONCOL.compile(dialect=conn.dialect)}"))
     if "unique_key" not in columns:
         conn.execute(sa.DDL(f"ALTER TABLE jobs ADD COLUMN unique_key {_NAME.compile(dialect=conn.dialect)}"))
     if d.live_key_column == "unique_live" and "unique_live" not in columns:
@@ -628,6 +636,7 @@ _LEASE_COLS = (
     _c.max_attempts,
     _c.timeout,
     _c.parent_id,
+    _c.checkpoint,
 )
 
 
@@ -1166,7 +1175,26 @@ def _q_release(job_id: int, owner: str | None, token: str | None, now: _dt.datet
     )
 
 
-# ---- heartbeat --------------------------------------------------------------------------------
+# ---- heartbeat, checkpoint and progress -------------------------------------------------------
+
+
+def _q_checkpoint(job_id: int, owner: str, token: str, state: Any, progress: Any, now: _dt.datetime) -> sa.Update:
+    """Store a handler's checkpoint (and its latest progress, if any), fenced by its dispatch's
+    lease (0 rows: the lease is lost)."""
+    extra = {} if progress is None else {"progress": progress}
+    return (sa.update(_jobs).where(_c.id == job_id, _state_is(*_LIVE), _c.lease_owner == owner, _c.lease_token == token)
+            .values(checkpoint=state, updated_at=now, **extra))
+
+
+def _q_progress(job_id: int, token: str, progress: Any) -> sa.Update:
+    """A handler's latest progress, carried by the heartbeat and fenced as it is."""
+    return sa.update(_jobs).where(_c.id == job_id, _c.lease_token == token, _state_is(*_LIVE)).values(progress=progress)
+
+
+def _q_running_progress(limit: int) -> sa.Select[Any]:
+    """In-flight jobs that reported progress (jobq status), through the in-flight index."""
+    return (sa.select(_c.id, _c.type, _c.group_key, _c.progress)
+            .where(_c.in_flight == _TRUE, _c.progress.is_not(None)).order_by(_c.id).limit(limit))
 
 
 def _q_heartbeat(ids: list[int], token: str, now: _dt.datetime, expires: _dt.datetime) -> sa.Update:
@@ -2220,6 +2248,11 @@ class JobInfo:
     priority: int = 0
     #: The job's unique key, held while it is unfinished (schema 4).
     unique_key: str | None = None
+    #: The last state a handler stored with ``ctx.checkpoint`` (a dict), or None (schema 4).
+    checkpoint: Any = None
+    #: The last ``ctx.progress`` a heartbeat carried: ``{"done", "total", "message"}``, or None.
+    #: Kept when the job finishes (schema 4).
+    progress: Any = None
 
 
 _JOBINFO_COLUMNS = tuple(f.name for f in dataclasses.fields(JobInfo) if f.name != "depends_on")
@@ -2241,6 +2274,8 @@ class Lease:
     worker_id: str
     token: str
     expires: _dt.datetime
+    #: The job's last checkpoint (what ``ctx.state`` starts as), or None.
+    checkpoint: Any = None
 
 
 def create_schema(engine: Engine) -> None:
@@ -2997,7 +3032,7 @@ def _lease_rows(
         Lease(
             id=r.id, type=r.type, args=r.args, group_key=r.group_key, attempt=r.attempts + 1,
             max_attempts=r.max_attempts, timeout=r.timeout, parent_id=r.parent_id,
-            worker_id=worker_id, token=token, expires=expires,
+            worker_id=worker_id, token=token, expires=expires, checkpoint=r.checkpoint,
         )
         for r in rows
     ]
@@ -3671,17 +3706,22 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         if r is None:
             return f"job {job_id}: no such job"
         head = f"job {job_id} ({r.type}, group {r.group_key})"
+        # what a rerun resumes from, and how far the handler said it was
+        note = "".join((f"; progress {_progress_text(r.progress)}" if r.progress is not None else "",
+                        f"; last checkpoint {_one_line(json.dumps(r.checkpoint, sort_keys=True))[:120]}"
+                        if r.checkpoint is not None else ""))
         if r.state == "done":
             return f"{head} is done: finished {_iso(r.finished_at)} after {r.attempts} attempt(s)"
         if r.state in ("failed", "cancelled"):
-            return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id})"
+            return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id}){note}"
         if r.state in _LIVE:
             left = (r.lease_expires - t).total_seconds() if r.lease_expires else 0.0
             ask = "; cancel requested" if r.cancel_requested else ""
             if left < 0:
                 return (f"{head} is {r.state} by {r.lease_owner} but its lease expired {_span(-left)} ago: "
-                        f"the next claim reclaims it{ask}")
-            return f"{head} is {r.state} (attempt {r.attempts}/{r.max_attempts}) by {r.lease_owner}, lease good for {_span(left)}{ask}"
+                        f"the next claim reclaims it{ask}{note}")
+            return (f"{head} is {r.state} (attempt {r.attempts}/{r.max_attempts}) by {r.lease_owner}, "
+                    f"lease good for {_span(left)}{ask}{note}")
         if r.state == "waiting":
             ups = conn.execute(_q_unfinished_upstreams(job_id)).all()
             if ups:
@@ -3699,7 +3739,7 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         if r.run_after > t:
             when = f"{head} is scheduled, runs in {_span((r.run_after - t).total_seconds())} (at {_iso(r.run_after)})"
             if r.attempts:
-                return f"{when}: backing off after attempt {r.attempts}: {_one_line(r.error or '')}"
+                return f"{when}: backing off after attempt {r.attempts}: {_one_line(r.error or '')}{note}"
             return when
         holders = conn.execute(_q_holders()).all()
         total = sum(n for _, _, n in holders)
@@ -3710,7 +3750,7 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
                 f"{ahead} due job(s) ahead of it in its group (by priority, then age); "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
-                   ": no worker is running jobs; is a worker with a handler for this type up?"))
+                   ": no worker is running jobs; is a worker with a handler for this type up?") + note)
 
 
 # ---- tick and stats ---------------------------------------------------------------------------
@@ -3848,6 +3888,8 @@ class JobContext:
     Attributes:
         id, type, args, attempt, max_attempts, group_key, parent_id: the job as claimed.
         worker_id: the worker running it.
+        state: the job's last stored checkpoint (a dict; None on a fresh job): what a rerun
+            after a crash, a reclaim, a timeout or a retry resumes from. ``checkpoint`` updates it.
     """
 
     def __init__(self, lease: Lease, worker: Any = None) -> None:
@@ -3861,6 +3903,14 @@ class JobContext:
         self.worker_id = lease.worker_id
         self._stop: Any = None  # a threading.Event, made when first needed (most handlers never wait)
         self._reason: str | None = None
+        self.state: dict[str, Any] | None = lease.checkpoint
+        self._token = lease.token
+        # How checkpoint() stores (set by the runner: a transaction, a pipe to the parent, or a
+        # coroutine for AsyncWorker) and the progress the next heartbeat carries.
+        self._save: Callable[[JobContext, dict[str, Any]], Any] | None = None
+        self._progress: dict[str, Any] | None = None
+        self._progress_sent: dict[str, Any] | None = None  # the report the last heartbeat wrote
+        self._report: Callable[[dict[str, Any]], None] | None = None  # a process handler's pipe
 
     def _event(self) -> Any:
         if self._stop is None:
@@ -3892,6 +3942,54 @@ class JobContext:
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return True early if the handler should stop."""
         return bool(self._event().wait(seconds))
+
+    def checkpoint(self, state: dict[str, Any]) -> Any:
+        """Durably store ``state`` for this job now; later dispatches start with it as ``ctx.state``.
+
+        One short transaction per call (see the README's "Checkpoints" for how often), fenced by
+        this dispatch's lease: nothing is written once the lease is lost.
+
+        Args:
+            state: a JSON object (the same rules as ``args``); replaces the previous checkpoint.
+
+        Returns:
+            None. In an :class:`AsyncWorker` an awaitable: ``await ctx.checkpoint(state)``.
+
+        Raises:
+            InvalidJob: ``state`` is not a JSON object within the limits; nothing is written.
+            LeaseLost: this dispatch no longer holds the job's lease; nothing is written.
+        """
+        if not isinstance(state, dict):
+            raise InvalidJob(f"checkpoint must be a JSON object (a dict), got {_type_name(state)}")
+        state = _encode_checked(state, "checkpoint")
+        if self._save is None:
+            raise JobqError("this JobContext belongs to no running dispatch: nothing to checkpoint")
+        return self._save(self, state)
+
+    def progress(self, done: float, total: float | None = None, message: str | None = None) -> None:
+        """Report how far the handler is; ``get``, ``jobq show``, ``jobq status`` and ``why`` show it
+        within one heartbeat interval. No transaction: the next heartbeat (or ``checkpoint``)
+        carries the latest report; earlier ones are dropped. The last one written is kept on
+        the job when it finishes (a report made after the last heartbeat or checkpoint is not).
+
+        Args:
+            done: work done so far (a finite number >= 0).
+            total: the whole amount, if known (a finite number >= 0).
+            message: a short note (at most 200 characters).
+
+        Raises:
+            InvalidJob: a bad value.
+        """
+        for value, what in ((done, "done"), (total, "total")):
+            if value is None and what == "total":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidJob(f"progress {what} must be a finite number >= 0, got {value!r}")
+        if message is not None and (not isinstance(message, str) or len(message) > 200):
+            raise InvalidJob(f"progress message must be a string of at most 200 characters, got {message!r}")
+        self._progress = _check_json({"done": done, "total": total, "message": message}, "progress")
+        if self._report is not None:
+            self._report(self._progress)
 
     def __repr__(self) -> str:
         return f"JobContext(id={self.id}, type={self.type!r}, attempt={self.attempt})"
@@ -3973,11 +4071,26 @@ def _process_main(handler: Callable[[JobContext], Any], lease: Lease, stop: Any,
     # else (the database connections inherited by fork belong to the parent).
     ctx = JobContext(lease)
     ctx._stop = stop
+    ctx._save = functools.partial(_checkpoint_through_pipe, conn)
+    ctx._report = lambda p: conn.send(("progress", p))
     try:
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(("error", _format_error(exc)))
+
+
+def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
+    # The handler's process asks its parent, which holds the lease and the connections, to
+    # store the checkpoint, and waits for the answer. Progress rides along with it.
+    conn.send(("checkpoint", (state, ctx._progress)))
+    kind, text = conn.recv()
+    if kind == "lost":
+        ctx._signal("lease_lost")
+        raise LeaseLost(text)
+    if kind != "ok":
+        raise JobqError(text)
+    ctx.state = state
 
 
 _EXECUTORS = ("thread", "process")
@@ -4298,6 +4411,7 @@ class _WorkerCore:
 
     def _dispatch(self, lease: Lease) -> None:
         ctx = JobContext(lease, self)
+        ctx._save = self._save_checkpoint
         timeout = lease.timeout if lease.timeout is not None else self.timeout
         now = time.monotonic()
         run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now)
@@ -4307,6 +4421,21 @@ class _WorkerCore:
         if self._events_wanted(logging.INFO):
             _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
         self._start(run)
+
+    def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
+        self._store_checkpoint(ctx, state)
+
+    def _store_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> None:
+        """ctx.checkpoint: one short transaction, fenced by the dispatch's lease."""
+        now = self._clock.now()
+        progress = ctx._progress  # rides along: the heartbeat need not write it again
+        n = _transaction(self.engine, lambda conn, d: conn.execute(
+            _q_checkpoint(ctx.id, ctx.worker_id, ctx._token, state, progress, now)).rowcount)
+        if not n:
+            ctx._signal("lease_lost")
+            raise LeaseLost(f"job {ctx.id}: this dispatch no longer holds the lease; the checkpoint was not stored")
+        ctx.state = state
+        ctx._progress_sent = progress
 
     # -- the runner's part (Worker: threads or processes; AsyncWorker: tasks) -------------
 
@@ -4601,7 +4730,11 @@ class _WorkerCore:
                 for token, leases in by_token.items():
                     held, cancel = _heartbeat_rows(conn, leases, self.lease_ttl, now)
                     out.update((token, i, i in cancel) for i in held)
+                for r, p in reports:  # the latest progress of each handler, fenced like the beat
+                    conn.execute(_q_progress(r.lease.id, r.lease.token, p))
                 return out
+
+            reports = [(r, r.ctx._progress) for r in runs if r.ctx._progress is not r.ctx._progress_sent]
 
             beat = _transaction(self.engine, write)
         except Exception as exc:  # noqa: BLE001 - the heartbeat outlives every fault
@@ -4613,6 +4746,8 @@ class _WorkerCore:
                 if time.monotonic() - r.last_beat > self.lease_ttl - margin:
                     r.ctx._signal("lease_lost")
             return
+        for r, p in reports:
+            r.ctx._progress_sent = p
         if unheld:
             self._lost(unheld)
         lost: list[_Running] = []
@@ -4832,7 +4967,7 @@ class Worker(_WorkerCore):
         from multiprocessing.connection import wait
 
         assert self._mp is not None
-        recv, send = self._mp.Pipe(duplex=False)
+        recv, send = self._mp.Pipe()  # duplex: the handler's checkpoints are answered
         stop = self._mp.Event()
         proc = self._mp.Process(  # type: ignore[attr-defined]
             target=_process_main, args=(self.handlers[run.lease.type], run.lease, stop, send),
@@ -4851,6 +4986,12 @@ class Worker(_WorkerCore):
                         msg = recv.recv()
                     except EOFError:
                         break
+                    if msg[0] == "progress":
+                        run.ctx._progress, msg = msg[1], None
+                    elif msg[0] == "checkpoint":
+                        state, run.ctx._progress = msg[1]
+                        recv.send(self._checkpoint_for_child(run, state))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -4865,6 +5006,15 @@ class Worker(_WorkerCore):
         finally:
             recv.close()
         return kind, payload
+
+    def _checkpoint_for_child(self, run: _Running, state: dict[str, Any]) -> tuple[str, str]:
+        try:
+            self._store_checkpoint(run.ctx, state)
+            return "ok", ""
+        except LeaseLost as exc:
+            return "lost", str(exc)
+        except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
+            return "error", f"checkpoint not stored: {_one_line(exc)}"
 
     def _stop_handlers(self, runs: Sequence[_Running]) -> None:
         for run in runs:
@@ -5078,6 +5228,9 @@ class AsyncWorker(_WorkerCore):
 
     def _start(self, run: _Running) -> None:
         self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
+
+    def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
+        return self._bridge(self._store_checkpoint, ctx, state)  # awaited by the handler
 
     async def _execute_task(self, run: _Running) -> None:
         import asyncio
@@ -5466,6 +5619,17 @@ def _table(rows: Sequence[Mapping[str, Any]], cols: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def _progress_text(p: Any) -> str:
+    """A progress report as people read it: "3/10 (30%): message"."""
+    if not isinstance(p, dict):
+        return ""
+    done, total, message = p.get("done"), p.get("total"), p.get("message")
+    text = f"{done:g}" if isinstance(done, (int, float)) else "?"
+    if isinstance(total, (int, float)):
+        text += f"/{total:g}" + (f" ({100 * done / total:.0f}%)" if total and isinstance(done, (int, float)) else "")
+    return text + (f": {message}" if message else "")
+
+
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
     states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
@@ -5644,7 +5808,14 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
     elif cmd == "status":
         while True:
             st = stats(engine)
-            out = json.dumps(st, default=_json_default, sort_keys=True) if ns.json else _status_text(st)
+            with engine.connect() as conn:  # running jobs that report progress (the first 20)
+                running = [dict(r._mapping) for r in conn.execute(_q_running_progress(20))]
+                conn.rollback()
+            if ns.json:
+                out = json.dumps({**st, "progress": running}, default=_json_default, sort_keys=True)
+            else:
+                out = _status_text(st) + "".join(
+                    f"\n  job {r['id']} ({r['type']}, group {r['group_key']}): {_progress_text(r['progress'])}" for r in running)
             if not ns.watch:
                 print(out)
                 break

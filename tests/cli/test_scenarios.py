@@ -19,6 +19,7 @@ EXPECT = {
     "tenants.py": ["final slot-time shares", "'done': 250"],
     "crash_recover.py": ["killing worker A", "is done, attempts=2", "lease expired on attempt 1"],
     "pipeline_listen.py": ["20 hops in"],
+    "checkpoint_resume.py": ["kill -9 worker A", "starting from checkpoint", "is done, attempts=2", "rows': 8000"],
     "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
 }
 

@@ -10,7 +10,7 @@ import jobq
 from helpers import FAST, db_now
 
 #: What schema 4 added for issue 16 (columns of jobs); schema 3 had none of them.
-NEW_COLUMNS = ("priority", "unique_key")
+NEW_COLUMNS = ("priority", "unique_key", "checkpoint", "progress")
 
 
 def _schema_3() -> sa.MetaData:
