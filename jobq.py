@@ -44,6 +44,7 @@ import sqlalchemy as sa
 from sqlalchemy import event, orm
 from sqlalchemy.dialects import mysql as _mysql
 from sqlalchemy.dialects import postgresql as _pg
+from sqlalchemy.dialects import sqlite as _sqlite
 from sqlalchemy.engine import Connection, Engine
 
 __version__ = "0.1.0"
@@ -256,7 +257,7 @@ class Base(orm.DeclarativeBase):
     """Declarative base holding jobq's tables (``Base.metadata`` for Alembic autogenerate)."""
 
 
-def _partial_index(name: str, *cols: str, where: str, sqlite_where: str | None = None) -> sa.Index:
+def _partial_index(name: str, *cols: Any, where: str, sqlite_where: str | None = None) -> sa.Index:
     """An index of only the rows matching ``where``, on the engines with partial indexes
     (PostgreSQL, SQLite). Queries must spell the predicate as the index does: SQLite matches
     partial indexes by exact terms."""
@@ -265,9 +266,15 @@ def _partial_index(name: str, *cols: str, where: str, sqlite_where: str | None =
     ).ddl_if(dialect=("postgresql", "sqlite"))  # type: ignore[arg-type]
 
 
-def _mysql_index(name: str, *cols: str) -> sa.Index:
+def _mysql_index(name: str, *cols: Any) -> sa.Index:
     """The MySQL/MariaDB stand-in for a partial index (they have none): a plain composite."""
     return sa.Index(name, *cols).ddl_if(dialect=("mysql", "mariadb"))  # type: ignore[arg-type,no-any-return]
+
+
+#: The ready index's priority column, descending (the claim reads it forwards).
+_PRIORITY_DESC = sa.text("priority DESC")
+#: The rows that hold their unique_key: unfinished ones. Keep in sync with _DDL_UNIQUE_LIVE.
+_UNIQUE_LIVE_WHERE = "unique_key IS NOT NULL AND state IN ('waiting', 'ready', 'leased', 'running')"
 
 
 class Job(Base):
@@ -310,13 +317,23 @@ class Job(Base):
     #: The upstream (or enclosing container) whose failure or cancellation closed this job
     #: (schema 3): retry re-opens by this relation, never by parsing ``error``.
     closed_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
+    #: Claim order within the group, higher first (schema 4).
+    priority: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0, server_default="0")
+    #: At most one unfinished job holds a key (schema 4): ux_jobs_unique_live, or on
+    #: MySQL/MariaDB the generated column unique_live (see _DDL_UNIQUE_LIVE).
+    unique_key: orm.Mapped[str | None] = orm.mapped_column(_NAME, nullable=True)
+    #: The handler's last ctx.checkpoint(), handed to every later dispatch (schema 4).
+    checkpoint: orm.Mapped[Any] = orm.mapped_column(_JSONCOL, nullable=True)
+    #: The handler's last ctx.progress(), written by the heartbeat; kept on finish (schema 4).
+    progress: orm.Mapped[Any] = orm.mapped_column(_JSONCOL, nullable=True)
 
     __table_args__ = (
-        # The claim's scan: ready rows per group, oldest due first. Partial where the engine
-        # has partial indexes, so done and waiting rows never enter it; MySQL/MariaDB lead with
-        # state instead. Keep in sync with _q_candidates, _q_group_counts and _Q_READY_GROUPS.
-        _partial_index("ix_jobs_ready", "group_key", "run_after", "id", where="state = 'ready'"),
-        _mysql_index("ix_jobs_ready_my", "state", "group_key", "run_after", "id"),
+        # The claim's scan: ready rows per group, highest priority first, then oldest due.
+        # Partial where the engine has partial indexes, so done and waiting rows never enter
+        # it; MySQL/MariaDB lead with state instead. Keep in sync with _q_candidates,
+        # _q_group_counts, _Q_READY_GROUPS and _upgrade_4_state (priority: schema 4).
+        _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
+        _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
         # Cap accounting and reclaim read only in-flight rows. lease_expires is deliberately not
         # indexed: heartbeats rewrite it, and an indexed column would defeat PostgreSQL HOT.
         # The predicate is spelled exactly as the queries render `in_flight == true()`, so the
@@ -332,6 +349,11 @@ class Job(Base):
         _mysql_index("ix_jobs_state_finished", "state", "finished_at"),
         # stats() counts blocked jobs through this (schema 2); on MySQL/MariaDB the state index.
         _partial_index("ix_jobs_waiting", "group_key", where="state = 'waiting'"),
+        # Unique jobs (schema 4): one unfinished job per unique_key, enforced by the database so
+        # that concurrent enqueuers cannot both insert. Keep the predicate in sync with
+        # _UNIQUE_LIVE_WHERE (the insert's ON CONFLICT names it). MySQL/MariaDB: _DDL_UNIQUE_LIVE.
+        sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
+                 sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(dialect=("postgresql", "sqlite")),  # type: ignore[arg-type]
         # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
         # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
         # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
@@ -430,6 +452,18 @@ _jobs: sa.Table = Job.__table__  # type: ignore[assignment]
 _deps: sa.Table = JobDep.__table__  # type: ignore[assignment]
 _c = _jobs.c
 
+# MySQL/MariaDB have no partial indexes: a stored generated column that is the key while the
+# job is unfinished and NULL after (NULLs never collide in a unique index), unique-indexed.
+# Not part of the Table (nothing writes it); created with the table and by _upgrade_4_state.
+_DDL_UNIQUE_LIVE = (
+    sa.DDL("ALTER TABLE jobs ADD COLUMN unique_live VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+           "GENERATED ALWAYS AS (CASE WHEN state IN ('waiting', 'ready', 'leased', 'running') "
+           "THEN unique_key END) STORED"),
+    sa.DDL("CREATE UNIQUE INDEX ux_jobs_unique_live_my ON jobs (unique_live)"),
+)
+for _ddl in _DDL_UNIQUE_LIVE:
+    sa.event.listen(_jobs, "after_create", _ddl.execute_if(dialect=("mysql", "mariadb")))  # type: ignore[arg-type]
+
 #: The jobq_meta row every capped claim locks: the cap's serialisation point.
 _CLAIM_LOCK_KEY = "claim_lock"
 
@@ -446,6 +480,7 @@ _Q_SET_SCHEMA_VERSION = (
 _DDL_STARTS_N = sa.DDL("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 NOT NULL")
 _DDL_DROP_STATE_FINISHED = sa.DDL("DROP INDEX ix_jobs_state_finished")
 _DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
+_DDL_PRIORITY = sa.DDL("ALTER TABLE jobs ADD COLUMN priority INTEGER DEFAULT 0 NOT NULL")
 _Q_SQLITE_JOBS_SQL = sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'")
 _Q_SQLITE_OLD_INDEXES = sa.text(
     "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobq_jobs_old' AND sql IS NOT NULL"
@@ -480,6 +515,8 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
         if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
             conn.execute(_DDL_CLOSED_BY)
     # 3 -> 4: jobq_attempts is a new table (create_all, before this, made it); nothing to alter.
+    if found < 4:
+        _upgrade_4_state(conn, d)
     if d.rowid_reuse:
         # Also part of 2 -> 3, checked on every start (one catalogue read): a jobs table made
         # before it (by any version) still hands out pruned ids again.
@@ -487,6 +524,33 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
     if found < SCHEMA_VERSION:
         conn.execute(_Q_SET_SCHEMA_VERSION, {"b_value": str(SCHEMA_VERSION)})
         logger.info("jobq schema upgraded from version %d to %d", found, SCHEMA_VERSION)
+
+
+def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
+    """3 -> 4 (issue 16): jobs.priority, and the ready index rebuilt with it (the claim's order
+    within a group); jobs.unique_key with its unique index over unfinished rows (on MySQL/MariaDB
+    through the generated column unique_live); jobs.checkpoint and jobs.progress. Adds only what
+    is missing."""
+    inspector = sa.inspect(conn)
+    columns = {c["name"] for c in inspector.get_columns("jobs")}
+    if "priority" not in columns:
+        conn.execute(_DDL_PRIORITY)
+    for name in ("checkpoint", "progress"):
+        if name not in columns:
+            conn.execute(sa.DDL(f"ALTER TABLE jobs ADD COLUMN {name} {_JSONCOL.compile(dialect=conn.dialect)}"))
+    if "unique_key" not in columns:
+        conn.execute(sa.DDL(f"ALTER TABLE jobs ADD COLUMN unique_key {_NAME.compile(dialect=conn.dialect)}"))
+    if d.live_key_column == "unique_live" and "unique_live" not in columns:
+        for ddl in _DDL_UNIQUE_LIVE:
+            conn.execute(ddl)
+    for ix in inspector.get_indexes("jobs"):
+        if ix["name"] in ("ix_jobs_ready", "ix_jobs_ready_my") and "priority" not in ix["column_names"]:
+            next(i for i in _jobs.indexes if i.name == ix["name"]).drop(conn)
+    names = {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}
+    for name in ("ix_jobs_ready", "ix_jobs_ready_my", "ux_jobs_unique_live"):
+        index = next(i for i in _jobs.indexes if i.name == name)
+        if name not in names and (d.partial_indexes == (name != "ix_jobs_ready_my")):
+            index.create(conn)
 
 
 def _autoincrement_jobs(conn: Connection) -> None:
@@ -538,23 +602,26 @@ def _state_is(*states: str) -> sa.ColumnElement[bool]:
 
 
 _TRUE = sa.true()
+#: The claim's order within a group, as the ready index reads it: priority, then due, then id.
+_CLAIM_ORDER = (_c.priority.desc(), _c.run_after, _c.id)
 
 
 def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Select[Any]:
-    """The runnable leaves at ``now``: a plain SELECT of job rows, oldest due first.
+    """The runnable leaves at ``now``: a plain SELECT of job rows, in claim order.
 
     Args:
         now: naive UTC time (the database's clock) against which ``run_after`` is compared.
         types: restrict to these job types (None: every type).
 
     Returns:
-        A SQLAlchemy ``Select`` over ``jobs``; it takes no locks. Claims use the same
-        predicate per group, with row locks, inside their transaction.
+        A SQLAlchemy ``Select`` over ``jobs``, highest ``priority`` first, then oldest due; it
+        takes no locks. Claims use the same predicate and order per group, with row locks,
+        inside their transaction.
     """
     stmt = sa.select(_jobs).where(_state_is("ready"), _c.run_after <= now)
     if types is not None:
         stmt = stmt.where(_c.type.in_(list(types)))
-    return stmt.order_by(_c.run_after, _c.id)
+    return stmt.order_by(*_CLAIM_ORDER)
 
 
 # The distinct groups with ready jobs, by a skip scan of the ready index: one index probe per
@@ -587,7 +654,7 @@ def _q_group_counts(groups: Sequence[str], now: _dt.datetime, types: Sequence[st
         inner = sa.select(_c.weight).where(_state_is("ready"), _c.group_key == g, _c.run_after <= now)
         if types is not None:
             inner = inner.where(_c.type.in_(types))
-        sub = inner.order_by(_c.run_after, _c.id).limit(limit).subquery()
+        sub = inner.order_by(*_CLAIM_ORDER).limit(limit).subquery()
         parts.append(sa.select(sa.literal(g, _NAME), sa.func.count(), sa.func.max(sub.c.weight)).select_from(sub))
     return sa.union_all(*parts)
 
@@ -601,6 +668,7 @@ _LEASE_COLS = (
     _c.max_attempts,
     _c.timeout,
     _c.parent_id,
+    _c.checkpoint,
 )
 
 
@@ -611,7 +679,7 @@ def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
                                             _c.run_after <= sa.bindparam("b_now", type_=_TS))
         if typed:
             stmt = stmt.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
-        return d.lock_skip(stmt.order_by(_c.run_after, _c.id).limit(sa.bindparam("b_limit", type_=sa.Integer)))
+        return d.lock_skip(stmt.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
 
     return _prebuilt(d, f"candidates:{typed}", build)
 
@@ -700,11 +768,12 @@ def _q_holders() -> sa.Select[Any]:
             .where(_c.in_flight == _TRUE).group_by(_c.lease_owner, _c.group_key))
 
 
-def _q_ahead_in_group(group: str, run_after: _dt.datetime, job_id: int, now: _dt.datetime) -> sa.Select[Any]:
-    """How many due jobs of ``group`` a claim takes before this one (oldest due first, as the claim)."""
+def _q_ahead_in_group(group: str, priority: int, run_after: _dt.datetime, job_id: int, now: _dt.datetime) -> sa.Select[Any]:
+    """How many due jobs of ``group`` a claim takes before this one (in _CLAIM_ORDER)."""
     return sa.select(sa.func.count()).where(
         _state_is("ready"), _c.group_key == group, _c.run_after <= now,
-        sa.or_(_c.run_after < run_after, sa.and_(_c.run_after == run_after, _c.id < job_id)))
+        sa.or_(_c.priority > priority, sa.and_(_c.priority == priority, sa.or_(
+            _c.run_after < run_after, sa.and_(_c.run_after == run_after, _c.id < job_id)))))
 
 
 def _q_ready_by_group(now: _dt.datetime) -> sa.Select[Any]:
@@ -827,6 +896,15 @@ def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElemen
 _BAD = ("failed", "cancelled")
 _OPEN = ("waiting", "ready", "leased", "running")
 _Q_INSERT_JOB = sa.insert(_jobs)
+
+
+def _q_live_keys(live_key: sa.ColumnElement[str], keys: Sequence[str]) -> sa.Select[Any]:
+    """Unfinished jobs holding these unique keys, through the unique index (the dialect names
+    the column: _Dialect.live_keys)."""
+    stmt = sa.select(_c.unique_key, _c.id).where(live_key.in_(list(keys)))
+    if live_key.name == "unique_key":  # the partial index: spell its predicate for the planner
+        stmt = stmt.where(_c.unique_key.is_not(None), _state_is(*_OPEN))
+    return stmt.order_by(_c.id)
 _Q_INSERT_JOBS = sa.insert(_jobs).returning(_c.id, sort_by_parameter_order=True)
 _Q_INSERT_DEPS = sa.insert(_deps)
 # A job born closed learns its cause's id only once every row of the submit has one.
@@ -1182,7 +1260,26 @@ def _q_attempt_history(job_id: int, *, last: bool = False) -> sa.Select[Any]:
     return stmt.order_by(a.id.desc()).limit(1) if last else stmt.order_by(a.id)
 
 
-# ---- heartbeat --------------------------------------------------------------------------------
+# ---- heartbeat, checkpoint and progress -------------------------------------------------------
+
+
+def _q_checkpoint(job_id: int, owner: str, token: str, state: Any, progress: Any, now: _dt.datetime) -> sa.Update:
+    """Store a handler's checkpoint (and its latest progress, if any), fenced by its dispatch's
+    lease (0 rows: the lease is lost)."""
+    extra = {} if progress is None else {"progress": progress}
+    return (sa.update(_jobs).where(_c.id == job_id, _state_is(*_LIVE), _c.lease_owner == owner, _c.lease_token == token)
+            .values(checkpoint=state, updated_at=now, **extra))
+
+
+def _q_progress(job_id: int, token: str, progress: Any) -> sa.Update:
+    """A handler's latest progress, carried by the heartbeat and fenced as it is."""
+    return sa.update(_jobs).where(_c.id == job_id, _c.lease_token == token, _state_is(*_LIVE)).values(progress=progress)
+
+
+def _q_running_progress(limit: int) -> sa.Select[Any]:
+    """In-flight jobs that reported progress (jobq status), through the in-flight index."""
+    return (sa.select(_c.id, _c.type, _c.group_key, _c.progress)
+            .where(_c.in_flight == _TRUE, _c.progress.is_not(None)).order_by(_c.id).limit(limit))
 
 
 def _q_heartbeat(ids: list[int], token: str, now: _dt.datetime, expires: _dt.datetime) -> sa.Update:
@@ -1395,6 +1492,13 @@ class _Dialect:
     #: An optimizer hint for the recursive skip scan over groups (Oracle MySQL stops recursion
     #: at cte_max_recursion_depth, 1,000 by default: one level per group with ready work).
     recursion_hint: str = ""
+    #: The column that holds a job's unique_key while it is unfinished, NULL after: the key
+    #: itself under a partial unique index, or MySQL/MariaDB's generated unique_live.
+    live_key_column: str = "unique_key"
+    #: The dialect's INSERT construct with ON CONFLICT DO NOTHING (PostgreSQL, SQLite), for
+    #: keyed inserts against the partial unique index. None (MySQL/MariaDB): a duplicate key
+    #: fails only its INSERT statement (1062), and the transaction goes on.
+    on_conflict: Any = None
 
     @property
     def statement_key(self) -> str:
@@ -1476,6 +1580,29 @@ class _Dialect:
             # the pool slot.
             conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}")
 
+    def live_keys(self, conn: Connection, keys: Sequence[str]) -> dict[str, int]:
+        """The unfinished jobs holding these unique keys: key -> id. A locking read: it waits
+        for a transaction that inserted one of the keys and reads the latest committed rows,
+        whatever the caller's isolation level; the rows stay share-locked (they cannot
+        finish) until this transaction ends."""
+        stmt = self.lock_share(_q_live_keys(sa.literal_column(self.live_key_column, _NAME), keys))
+        return {k: int(i) for k, i in conn.execute(stmt)}
+
+    def insert_unique(self, conn: Connection, row: Mapping[str, Any]) -> int | None:
+        """Insert one job row that has a unique_key; None when an unfinished job already holds
+        the key (a concurrent transaction committed it after this one looked). Never writes a
+        duplicate, and leaves the transaction usable."""
+        if self.on_conflict is not None:
+            stmt = _prebuilt(self, "insert_unique", lambda: self.on_conflict(_jobs).on_conflict_do_nothing(
+                index_elements=[_c.unique_key], index_where=sa.text(_UNIQUE_LIVE_WHERE)).returning(_c.id))
+            return conn.execute(stmt, dict(row)).scalar()
+        try:
+            return int(conn.execute(_Q_INSERT_JOB, dict(row)).inserted_primary_key[0])  # type: ignore[index]
+        except sa.exc.IntegrityError as exc:
+            if getattr(exc.orig, "args", (None,))[0] == 1062:  # ER_DUP_ENTRY: only this statement failed
+                return None
+            raise
+
     def retryable(self, exc: BaseException) -> bool:
         """Errors after which the whole transaction was (or must be) rolled back and may rerun."""
         orig = getattr(exc, "orig", None)
@@ -1492,7 +1619,7 @@ class _Dialect:
 def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
     """One row per engine: everything jobq branches on is decided here."""
     if family == "postgresql":
-        return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True,
+        return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True, on_conflict=_pg.insert,
                         key_share_locks=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
                         # serialization failure, deadlock, lock_not_available
                         retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True,
@@ -1507,10 +1634,11 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                         schema_lock=(f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
                                      f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')"),
                         recursion_hint="" if family == "mariadb" else
-                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ")
+                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
+                        live_key_column="unique_live")
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
     return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
-                    rowid_reuse=True)
+                    rowid_reuse=True, on_conflict=_sqlite.insert)
 
 
 #: The lock concurrent create_schema calls queue on: a PostgreSQL advisory lock id ("jobq" in
@@ -2035,6 +2163,7 @@ MAX_NAME_LENGTH = 200
 MAX_TIMEDELTA = _dt.timedelta(days=1000 * 366)
 
 _INT64 = 1 << 63
+_INT32 = 1 << 31
 _MIN_TIME = _dt.datetime(1970, 1, 2)
 _MAX_TIME = _dt.datetime(9999, 12, 30)
 
@@ -2226,6 +2355,15 @@ class JobInfo:
     cancel_requested: bool
     pending_deps: int
     pending_children: int
+    #: Claim order within the group, higher first (schema 4).
+    priority: int = 0
+    #: The job's unique key, held while it is unfinished (schema 4).
+    unique_key: str | None = None
+    #: The last state a handler stored with ``ctx.checkpoint`` (a dict), or None (schema 4).
+    checkpoint: Any = None
+    #: The last ``ctx.progress`` a heartbeat carried: ``{"done", "total", "message"}``, or None.
+    #: Kept when the job finishes (schema 4).
+    progress: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2273,6 +2411,8 @@ class Lease:
     worker_id: str
     token: str
     expires: _dt.datetime
+    #: The job's last checkpoint (what ``ctx.state`` starts as), or None.
+    checkpoint: Any = None
 
 
 def create_schema(engine: Engine) -> None:
@@ -2369,6 +2509,8 @@ class _JobSpec:
     run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
     max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
+    priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
+    unique_key: str | None = _field(None, lambda v, keys: None if v is None else _check_name(v, "unique_key"), "unique_key")
 
 
 _JOB_FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(_JobSpec)
@@ -2414,6 +2556,8 @@ def enqueue(
     run_after: _dt.datetime | _dt.timedelta | None = None,
     max_attempts: int = 3,
     timeout: float | None = None,
+    priority: int = 0,
+    unique_key: str | None = None,
 ) -> int:
     """Add one job (or container) to the queue and return its id.
 
@@ -2433,9 +2577,17 @@ def enqueue(
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
         max_attempts: how many times the job may be dispatched (1-1000).
         timeout: seconds one dispatch may run before it is timed out (None: the worker default).
+        priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
+            default 0); ties go to the oldest due, then the lowest id. It never overrides fair
+            share between groups.
+        unique_key: while an unfinished job (waiting, ready, leased or running) holds this key,
+            return that job's id and write nothing; once it is done, failed or cancelled the
+            key is free again. 1-200 characters, compared exactly. Enforced by a unique index,
+            so concurrent enqueuers get one job; see the README's "Unique jobs" for what
+            happens inside your own transaction.
 
     Returns:
-        The new job's id.
+        The new job's id (or, with ``unique_key``, the id of the unfinished job holding it).
 
     Raises:
         InvalidJob: bad input, an unknown dependency or parent, a parent that is not an open
@@ -2452,7 +2604,11 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
 
     Each item is a dict with a unique ``"key"`` (a string naming it within this call) and the
     keyword arguments of :func:`enqueue` (``type`` required; ``args``, ``group_key``, ``weight``,
-    ``depends_on``, ``parent``, ``container``, ``run_after``, ``max_attempts``, ``timeout``).
+    ``depends_on``, ``parent``, ``container``, ``run_after``, ``max_attempts``, ``timeout``,
+    ``priority``, ``unique_key``).
+    An item whose ``unique_key`` an unfinished job already holds is not inserted: the mapping
+    gives that job's id for its key, and items that depend on it (or are its children, when it
+    is a container) are wired to that job. Two items with the same ``unique_key`` are refused.
     In ``depends_on`` and ``parent``, a string refers to another item's key and an int to an
     existing job id.
 
@@ -2464,7 +2620,9 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
             key or job id, a cycle among the submitted edges (the cycle is named), a child of a
             non-container or of a finished container, a new container without children, or a
             deadlock through containers, also through existing jobs (a child that depends on
-            work that waits for its own container). Nothing is written.
+            work that waits for its own container), a ``unique_key`` given twice, or a new
+            container whose children all turned out to exist already (by ``unique_key``).
+            Nothing is written.
     """
     return _submit(target, _plan(jobs, single=False))
 
@@ -2515,6 +2673,16 @@ def _plan(items: Sequence[Mapping[str, Any]], *, single: bool) -> _Plan:
             if single:
                 raise
             raise InvalidJob(f"submit: job {key!r}: {exc}") from None
+    holder: dict[str, str] = {}
+    for key, sp in specs.items():
+        if sp.unique_key is not None and holder.setdefault(sp.unique_key, key) != key:
+            raise InvalidJob(f"submit: jobs {holder[sp.unique_key]!r} and {key!r} have the same unique_key {sp.unique_key!r}")
+    return _link(specs, single)
+
+
+def _link(specs: dict[str, _JobSpec], single: bool) -> _Plan:
+    """The plan of checked specs: their references to each other, checked, in an order where
+    upstreams and containers come first."""
     deps = {k: [u for u in sp.depends_on if isinstance(u, str)] for k, sp in specs.items()}
     parent = {k: sp.parent for k, sp in specs.items() if isinstance(sp.parent, str)}
     plan = _Plan(specs, deps, parent, list(specs), single)
@@ -2558,19 +2726,66 @@ def _wait_graph(plan: _Plan, existing: Mapping[Any, Sequence[Any]]) -> dict[Any,
     return waits
 
 
+class _KeyTaken(Exception):
+    """A unique_key was taken by a transaction that committed after this one looked: undo this
+    insert (its transaction or savepoint) and run it again, which then finds the holder."""
+
+
+#: Reruns of an insert whose unique keys were taken meanwhile (each rerun finds more holders).
+_KEY_RERUNS = 5
+
+
 def _submit(target: Engine | Connection | orm.Session, plan: _Plan) -> dict[str, int]:
-    if isinstance(target, Engine):
-        # No retry on a connection lost during COMMIT (_transaction): it may have landed, and a
-        # second insert would duplicate the jobs. Deadlocks and SQLITE_BUSY rolled back for sure.
-        return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn)))
-    d = _prepare(_engine_of(target))
-    conn = _target_connection(target)  # type: ignore[arg-type]
-    return _insert_graph(conn, d, plan, d.db_now(conn))
+    keyed = any(sp.unique_key is not None for sp in plan.specs.values())
+    for _ in range(_KEY_RERUNS):
+        try:
+            if isinstance(target, Engine):
+                # No retry on a connection lost during COMMIT (_transaction): it may have landed,
+                # and a second insert would duplicate the jobs. Deadlocks and SQLITE_BUSY rolled
+                # back for sure.
+                return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn)))
+            d = _prepare(_engine_of(target))
+            conn = _target_connection(target)  # type: ignore[arg-type]
+            if not keyed:
+                return _insert_graph(conn, d, plan, d.db_now(conn))
+            # In the caller's transaction, a lost race on a key must undo only our own writes.
+            with conn.begin_nested():
+                return _insert_graph(conn, d, plan, d.db_now(conn))
+        except _KeyTaken:
+            continue
+    raise JobqError(f"unique_key: the keys were taken by concurrent transactions {_KEY_RERUNS} times in a row")
 
 
 def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
     """Read and check everything, then write: the new rows, their edges, the containers' child
     counts, and the propagation of jobs born closed (an upstream already failed)."""
+    keys = {sp.unique_key: k for k, sp in plan.specs.items() if sp.unique_key is not None}
+    held: dict[str, int] = {}
+    if keys:
+        for chunk in _chunks(sorted(keys)):
+            held.update((keys[u], i) for u, i in d.live_keys(conn, chunk).items())
+        if held:
+            plan = _without(plan, held)
+    ids = _insert_new(conn, d, plan, now) if plan.specs else {}
+    return {**ids, **held}
+
+
+def _without(plan: _Plan, held: Mapping[str, int]) -> _Plan:
+    """The plan without the items whose unique keys unfinished jobs hold; references to them
+    name those jobs' ids instead."""
+    def ref(x: Any) -> Any:
+        return held.get(x, x) if isinstance(x, str) else x
+
+    specs = {k: dataclasses.replace(sp, depends_on=tuple(dict.fromkeys(ref(u) for u in sp.depends_on)), parent=ref(sp.parent))
+             for k, sp in plan.specs.items() if k not in held}
+    parents = {sp.parent for sp in specs.values()}
+    empty = [k for k, sp in specs.items() if sp.container and k not in parents and k in plan.parent.values()]
+    if empty:
+        raise InvalidJob(f"submit: container {empty[0]!r} would have no children: unfinished jobs hold all their unique keys")
+    return _link(specs, plan.single)
+
+
+def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
     specs = plan.specs
     prefix = "" if plan.single else "submit: "
     ext_deps = sorted({u for sp in specs.values() for u in sp.depends_on if isinstance(u, int)})
@@ -2737,6 +2952,14 @@ def _existing_waits(conn: Connection, starts: Iterable[Any]) -> tuple[dict[Any, 
 
 def _insert_rows(conn: Connection, d: _Dialect, rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """Insert job rows and return their ids in order (one statement where RETURNING allows)."""
+    if any(r["unique_key"] is not None for r in rows):
+        out: list[int] = []
+        for r in rows:
+            got = d.insert_unique(conn, r) if r["unique_key"] is not None else _insert_rows(conn, d, [r])[0]
+            if got is None:
+                raise _KeyTaken(r["unique_key"])
+            out.append(int(got))
+        return out
     if len(rows) == 1 or not d.returning:  # without INSERT ... RETURNING (MySQL): one row at a time
         return [int(conn.execute(_Q_INSERT_JOB, dict(r)).inserted_primary_key[0]) for r in rows]  # type: ignore[index]
     return [int(x) for x in conn.execute(_Q_INSERT_JOBS, list(rows)).scalars()]
@@ -2982,7 +3205,7 @@ def _lease_rows(
         Lease(
             id=r.id, type=r.type, args=r.args, group_key=r.group_key, attempt=r.attempts + 1,
             max_attempts=r.max_attempts, timeout=r.timeout, parent_id=r.parent_id,
-            worker_id=worker_id, token=token, expires=expires,
+            worker_id=worker_id, token=token, expires=expires, checkpoint=r.checkpoint,
         )
         for r in rows
     ]
@@ -3520,7 +3743,11 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> li
             x = conn.execute(_q_lock_jobs(d, [x.parent_id])).one()
             if x.state not in _BAD:
                 break
-        reopened = _reopen(conn, d, t, job_id)
+        try:
+            reopened = _reopen(conn, d, t, job_id)
+        except sa.exc.IntegrityError as exc:  # only ux_jobs_unique_live can refuse a re-open
+            raise InvalidJob(f"retry: job {job_id} (or a job it re-opens) has a unique_key that an unfinished "
+                             f"job holds now: {_one_line(exc.orig)}") from None
         if job_id in reopened:
             reopened.remove(job_id)
             reopened.insert(0, job_id)
@@ -3665,17 +3892,22 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         if r is None:
             return f"job {job_id}: no such job"
         head = f"job {job_id} ({r.type}, group {r.group_key})"
+        # what a rerun resumes from, and how far the handler said it was
+        note = "".join((f"; progress {_progress_text(r.progress)}" if r.progress is not None else "",
+                        f"; last checkpoint {_one_line(json.dumps(r.checkpoint, sort_keys=True))[:120]}"
+                        if r.checkpoint is not None else ""))
         if r.state == "done":
             return f"{head} is done: finished {_iso(r.finished_at)} after {r.attempts} attempt(s)"
         if r.state in ("failed", "cancelled"):
-            return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id})"
+            return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id}){note}"
         if r.state in _LIVE:
             left = (r.lease_expires - t).total_seconds() if r.lease_expires else 0.0
             ask = "; cancel requested" if r.cancel_requested else ""
             if left < 0:
                 return (f"{head} is {r.state} by {r.lease_owner} but its lease expired {_span(-left)} ago: "
-                        f"the next claim reclaims it{ask}")
-            return f"{head} is {r.state} (attempt {r.attempts}/{r.max_attempts}) by {r.lease_owner}, lease good for {_span(left)}{ask}"
+                        f"the next claim reclaims it{ask}{note}")
+            return (f"{head} is {r.state} (attempt {r.attempts}/{r.max_attempts}) by {r.lease_owner}, "
+                    f"lease good for {_span(left)}{ask}{note}")
         if r.state == "waiting":
             ups = conn.execute(_q_unfinished_upstreams(job_id)).all()
             if ups:
@@ -3695,19 +3927,19 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         if r.run_after > t:
             when = f"{head} is scheduled, runs in {_span((r.run_after - t).total_seconds())} (at {_iso(r.run_after)})"
             if r.attempts:
-                return f"{when}: backing off after attempt {r.attempts}{ended}: {_one_line(r.error or '')}"
+                return f"{when}: backing off after attempt {r.attempts}{ended}: {_one_line(r.error or '')}{note}"
             return when
         holders = conn.execute(_q_holders()).all()
         total = sum(n for _, _, n in holders)
         mine = sum(n for _, g, n in holders if g == r.group_key)
-        ahead = conn.execute(_q_ahead_in_group(r.group_key, r.run_after, r.id, t)).scalar_one()
+        ahead = conn.execute(_q_ahead_in_group(r.group_key, r.priority, r.run_after, r.id, t)).scalar_one()
         owners = sorted({o for o, _, _ in holders if o})
         return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker"
                 + (f" (attempt {last.attempt} ended: {last.outcome})" if last is not None else "") + ": "
-                f"{ahead} older due job(s) ahead of it in its group; "
+                f"{ahead} due job(s) ahead of it in its group (by priority, then age); "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
-                   ": no worker is running jobs; is a worker with a handler for this type up?"))
+                   ": no worker is running jobs; is a worker with a handler for this type up?") + note)
 
 
 # ---- tick and stats ---------------------------------------------------------------------------
@@ -3845,6 +4077,8 @@ class JobContext:
     Attributes:
         id, type, args, attempt, max_attempts, group_key, parent_id: the job as claimed.
         worker_id: the worker running it.
+        state: the job's last stored checkpoint (a dict; None on a fresh job): what a rerun
+            after a crash, a reclaim, a timeout or a retry resumes from. ``checkpoint`` updates it.
     """
 
     def __init__(self, lease: Lease, worker: Any = None) -> None:
@@ -3858,6 +4092,14 @@ class JobContext:
         self.worker_id = lease.worker_id
         self._stop: Any = None  # a threading.Event, made when first needed (most handlers never wait)
         self._reason: str | None = None
+        self.state: dict[str, Any] | None = lease.checkpoint
+        self._token = lease.token
+        # How checkpoint() stores (set by the runner: a transaction, a pipe to the parent, or a
+        # coroutine for AsyncWorker) and the progress the next heartbeat carries.
+        self._save: Callable[[JobContext, dict[str, Any]], Any] | None = None
+        self._progress: dict[str, Any] | None = None
+        self._progress_sent: dict[str, Any] | None = None  # the report the last heartbeat wrote
+        self._report: Callable[[dict[str, Any]], None] | None = None  # a process handler's pipe
 
     def _event(self) -> Any:
         if self._stop is None:
@@ -3889,6 +4131,54 @@ class JobContext:
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return True early if the handler should stop."""
         return bool(self._event().wait(seconds))
+
+    def checkpoint(self, state: dict[str, Any]) -> Any:
+        """Durably store ``state`` for this job now; later dispatches start with it as ``ctx.state``.
+
+        One short transaction per call (see the README's "Checkpoints" for how often), fenced by
+        this dispatch's lease: nothing is written once the lease is lost.
+
+        Args:
+            state: a JSON object (the same rules as ``args``); replaces the previous checkpoint.
+
+        Returns:
+            None. In an :class:`AsyncWorker` an awaitable: ``await ctx.checkpoint(state)``.
+
+        Raises:
+            InvalidJob: ``state`` is not a JSON object within the limits; nothing is written.
+            LeaseLost: this dispatch no longer holds the job's lease; nothing is written.
+        """
+        if not isinstance(state, dict):
+            raise InvalidJob(f"checkpoint must be a JSON object (a dict), got {_type_name(state)}")
+        state = _encode_checked(state, "checkpoint")
+        if self._save is None:
+            raise JobqError("this JobContext belongs to no running dispatch: nothing to checkpoint")
+        return self._save(self, state)
+
+    def progress(self, done: float, total: float | None = None, message: str | None = None) -> None:
+        """Report how far the handler is; ``get``, ``jobq show``, ``jobq status`` and ``why`` show it
+        within one heartbeat interval. No transaction: the next heartbeat (or ``checkpoint``)
+        carries the latest report; earlier ones are dropped. The last one written is kept on
+        the job when it finishes (a report made after the last heartbeat or checkpoint is not).
+
+        Args:
+            done: work done so far (a finite number >= 0).
+            total: the whole amount, if known (a finite number >= 0).
+            message: a short note (at most 200 characters).
+
+        Raises:
+            InvalidJob: a bad value.
+        """
+        for value, what in ((done, "done"), (total, "total")):
+            if value is None and what == "total":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidJob(f"progress {what} must be a finite number >= 0, got {value!r}")
+        if message is not None and (not isinstance(message, str) or len(message) > 200):
+            raise InvalidJob(f"progress message must be a string of at most 200 characters, got {message!r}")
+        self._progress = _check_json({"done": done, "total": total, "message": message}, "progress")
+        if self._report is not None:
+            self._report(self._progress)
 
     def __repr__(self) -> str:
         return f"JobContext(id={self.id}, type={self.type!r}, attempt={self.attempt})"
@@ -3970,11 +4260,26 @@ def _process_main(handler: Callable[[JobContext], Any], lease: Lease, stop: Any,
     # else (the database connections inherited by fork belong to the parent).
     ctx = JobContext(lease)
     ctx._stop = stop
+    ctx._save = functools.partial(_checkpoint_through_pipe, conn)
+    ctx._report = lambda p: conn.send(("progress", p))
     try:
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(("error", _format_error(exc)))
+
+
+def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
+    # The handler's process asks its parent, which holds the lease and the connections, to
+    # store the checkpoint, and waits for the answer. Progress rides along with it.
+    conn.send(("checkpoint", (state, ctx._progress)))
+    kind, text = conn.recv()
+    if kind == "lost":
+        ctx._signal("lease_lost")
+        raise LeaseLost(text)
+    if kind != "ok":
+        raise JobqError(text)
+    ctx.state = state
 
 
 _EXECUTORS = ("thread", "process")
@@ -4295,6 +4600,7 @@ class _WorkerCore:
 
     def _dispatch(self, lease: Lease) -> None:
         ctx = JobContext(lease, self)
+        ctx._save = self._save_checkpoint
         timeout = lease.timeout if lease.timeout is not None else self.timeout
         now = time.monotonic()
         run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now)
@@ -4304,6 +4610,21 @@ class _WorkerCore:
         if self._events_wanted(logging.INFO):
             _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
         self._start(run)
+
+    def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
+        self._store_checkpoint(ctx, state)
+
+    def _store_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> None:
+        """ctx.checkpoint: one short transaction, fenced by the dispatch's lease."""
+        now = self._clock.now()
+        progress = ctx._progress  # rides along: the heartbeat need not write it again
+        n = _transaction(self.engine, lambda conn, d: conn.execute(
+            _q_checkpoint(ctx.id, ctx.worker_id, ctx._token, state, progress, now)).rowcount)
+        if not n:
+            ctx._signal("lease_lost")
+            raise LeaseLost(f"job {ctx.id}: this dispatch no longer holds the lease; the checkpoint was not stored")
+        ctx.state = state
+        ctx._progress_sent = progress
 
     # -- the runner's part (Worker: threads or processes; AsyncWorker: tasks) -------------
 
@@ -4613,7 +4934,11 @@ class _WorkerCore:
                 for token, leases in by_token.items():
                     held, cancel = _heartbeat_rows(conn, leases, self.lease_ttl, now)
                     out.update((token, i, i in cancel) for i in held)
+                for r, p in reports:  # the latest progress of each handler, fenced like the beat
+                    conn.execute(_q_progress(r.lease.id, r.lease.token, p))
                 return out
+
+            reports = [(r, r.ctx._progress) for r in runs if r.ctx._progress is not r.ctx._progress_sent]
 
             beat = _transaction(self.engine, write)
         except Exception as exc:  # noqa: BLE001 - the heartbeat outlives every fault
@@ -4622,6 +4947,8 @@ class _WorkerCore:
             return
         finally:
             beating.set()
+        for r, p in reports:
+            r.ctx._progress_sent = p
         if unheld:
             self._lost(unheld)
         lost: list[_Running] = []
@@ -4846,7 +5173,7 @@ class Worker(_WorkerCore):
         from multiprocessing.connection import wait
 
         assert self._mp is not None
-        recv, send = self._mp.Pipe(duplex=False)
+        recv, send = self._mp.Pipe()  # duplex: the handler's checkpoints are answered
         stop = self._mp.Event()
         proc = self._mp.Process(  # type: ignore[attr-defined]
             target=_process_main, args=(self.handlers[run.lease.type], run.lease, stop, send),
@@ -4865,6 +5192,12 @@ class Worker(_WorkerCore):
                         msg = recv.recv()
                     except EOFError:
                         break
+                    if msg[0] == "progress":
+                        run.ctx._progress, msg = msg[1], None
+                    elif msg[0] == "checkpoint":
+                        state, run.ctx._progress = msg[1]
+                        recv.send(self._checkpoint_for_child(run, state))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -4879,6 +5212,15 @@ class Worker(_WorkerCore):
         finally:
             recv.close()
         return kind, payload
+
+    def _checkpoint_for_child(self, run: _Running, state: dict[str, Any]) -> tuple[str, str]:
+        try:
+            self._store_checkpoint(run.ctx, state)
+            return "ok", ""
+        except LeaseLost as exc:
+            return "lost", str(exc)
+        except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
+            return "error", f"checkpoint not stored: {_one_line(exc)}"
 
     def _stop_handlers(self, runs: Sequence[_Running]) -> None:
         for run in runs:
@@ -5092,6 +5434,9 @@ class AsyncWorker(_WorkerCore):
 
     def _start(self, run: _Running) -> None:
         self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
+
+    def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
+        return self._bridge(self._store_checkpoint, ctx, state)  # awaited by the handler
 
     async def _execute_task(self, run: _Running) -> None:
         import asyncio
@@ -5492,6 +5837,17 @@ def _table(rows: Sequence[Mapping[str, Any]], cols: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def _progress_text(p: Any) -> str:
+    """A progress report as people read it: "3/10 (30%): message"."""
+    if not isinstance(p, dict):
+        return ""
+    done, total, message = p.get("done"), p.get("total"), p.get("message")
+    text = f"{done:g}" if isinstance(done, (int, float)) else "?"
+    if isinstance(total, (int, float)):
+        text += f"/{total:g}" + (f" ({100 * done / total:.0f}%)" if total and isinstance(done, (int, float)) else "")
+    return text + (f": {message}" if message else "")
+
+
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
     states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
@@ -5548,6 +5904,8 @@ def _parser() -> argparse.ArgumentParser:
     when.add_argument("--run-after", type=_run_after, metavar="TIME", help="not before this time (ISO 8601 with a zone, e.g. 2030-01-31T09:00:00Z)")
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run (default: the worker's)")
     p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="dispatches before it fails (default: 3)")
+    p.add_argument("--priority", type=int, default=0, metavar="N", help="claim order within its group, higher first (default: 0)")
+    p.add_argument("--unique-key", metavar="KEY", help="while an unfinished job holds KEY, print its id and add nothing")
     p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")
     p.add_argument("--watch", type=_interval, metavar="SECONDS", help="refresh in place every SECONDS")
     p = add("ls", "list jobs, newest first")
@@ -5693,12 +6051,19 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         when = ns.delay if ns.delay is not None else ns.run_after
         job_id = enqueue(engine, ns.type, args, group_key=ns.group, weight=ns.weight, depends_on=ns.depends_on + ns.after,
                          parent=ns.parent, container=ns.container, run_after=when, max_attempts=ns.max_attempts,
-                         timeout=ns.timeout)
+                         timeout=ns.timeout, priority=ns.priority, unique_key=ns.unique_key)
         _print_json({"id": job_id}) if ns.json else print(job_id)
     elif cmd == "status":
         while True:
             st = stats(engine)
-            out = json.dumps(st, default=_json_default, sort_keys=True) if ns.json else _status_text(st)
+            with engine.connect() as conn:  # running jobs that report progress (the first 20)
+                running = [dict(r._mapping) for r in conn.execute(_q_running_progress(20))]
+                conn.rollback()
+            if ns.json:
+                out = json.dumps({**st, "progress": running}, default=_json_default, sort_keys=True)
+            else:
+                out = _status_text(st) + "".join(
+                    f"\n  job {r['id']} ({r['type']}, group {r['group_key']}): {_progress_text(r['progress'])}" for r in running)
             if not ns.watch:
                 print(out)
                 break

@@ -401,7 +401,7 @@ def test_why_tells_due_from_scheduled(db_url: str, capsys: pytest.CaptureFixture
     due = jobq.enqueue(eng, "t", group_key="g")
     later = jobq.enqueue(eng, "t", run_after=dt.timedelta(minutes=30))
     code, out, _ = cli(db_url, "why", str(due), capsys=capsys)
-    assert re.match(rf"job {due} \(t, group g\) is ready, due \d+s ago, waiting for a worker: 0 older due job\(s\) ahead", out)
+    assert re.match(rf"job {due} \(t, group g\) is ready, due \d+s ago, waiting for a worker: 0 due job\(s\) ahead", out)
     info = jobq.get(eng, later)
     assert info is not None
     code, out, _ = cli(db_url, "why", str(later), capsys=capsys)

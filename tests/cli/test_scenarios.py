@@ -20,6 +20,7 @@ EXPECT = {
     "crash_recover.py": ["killing worker A", "is done, attempts=2", "its current error: None",
                           ": reclaimed (lease expired on attempt 1", ": done"],
     "pipeline_listen.py": ["20 hops in"],
+    "checkpoint_resume.py": ["kill -9 worker A", "starting from checkpoint", "is done, attempts=2", "rows': 8000"],
     "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
 }
 

@@ -28,10 +28,10 @@ def test_ready_index_exists_in_the_dialects_form(engine: sa.Engine) -> None:
     no partial indexes, a composite index led by state. A bug would leave the scan O(table)."""
     idx = {i["name"]: i for i in sa.inspect(engine).get_indexes("jobs")}
     if engine.dialect.name in ("mysql", "mariadb"):
-        assert idx["ix_jobs_ready_my"]["column_names"] == ["state", "group_key", "run_after", "id"]
+        assert idx["ix_jobs_ready_my"]["column_names"] == ["state", "group_key", "priority", "run_after", "id"]
         assert "ix_jobs_ready" not in idx
     else:
-        assert idx["ix_jobs_ready"]["column_names"] == ["group_key", "run_after", "id"]
+        assert idx["ix_jobs_ready"]["column_names"] == ["group_key", "priority", "run_after", "id"]
         where = idx["ix_jobs_ready"]["dialect_options"]
         assert "ready" in str(where.get("postgresql_where", where.get("sqlite_where")))
         assert "ix_jobs_ready_my" not in idx

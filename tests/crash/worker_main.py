@@ -5,6 +5,7 @@
 Handlers append to per-process logs in LOGDIR (flushed and fsynced before they return), so the
 test can count executions and finalize commits after the process is gone:
     exec-PID.log    one line per handler start: "job attempt"
+    steps-PID.log   one line per step of the "steps" handler: "job attempt step"
     final-PID.log   one line per job whose finalize committed (the "finalized" checkpoint)
     events-PID.log  one line per worker event: "action job"
     started-JOB-ATTEMPT  a marker file created when a handler starts
@@ -76,10 +77,25 @@ def main() -> None:
         append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
         os.kill(pid, signal.SIGKILL)
 
+    def steps(ctx: jobq.JobContext) -> dict:
+        # A long job in steps that checkpoints after each one; attempt 1 SIGKILLs the whole
+        # worker (from the handler's own process too, with --executor process) after step
+        # args.kill_after was checkpointed.
+        start = (ctx.state or {}).get("next", 0)
+        append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
+        for i in range(start, ctx.args["n"]):
+            append(logs / f"steps-{pid}.log", f"{ctx.id} {ctx.attempt} {i}")
+            ctx.progress(i + 1, ctx.args["n"])
+            ctx.checkpoint({"next": i + 1})
+            if ctx.attempt == 1 and i == ctx.args["kill_after"]:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return {"resumed_from": start}
+
     connect_args = {"application_name": "jobq-crash-worker"} if ns.url.startswith("postgresql") else {}
     engine = sa.create_engine(ns.url, pool_pre_ping=not ns.no_pre_ping, connect_args=connect_args)
     worker = jobq.Worker(
-        engine, {"work": work, "poison": poison}, max_concurrency=ns.concurrency, lease_ttl=ns.ttl,
+        engine, {"work": work, "poison": poison, "steps": steps}, max_concurrency=ns.concurrency, lease_ttl=ns.ttl,
         poll_interval=0.02, retry_backoff=lambda a: 0.0, shutdown_timeout=ns.shutdown_timeout, executor=ns.executor,
         on_event=lambda ev: append(logs / f"events-{pid}.log", f"{ev.action} {ev.job_id}"),
     )

@@ -84,7 +84,7 @@ def test_every_page_and_its_json_twin(engine: sa.Engine) -> None:
     assert detail["why"] == why and detail["depends_on"] == [ids["up"]]
     assert {n["id"] for n in detail["graph"]["nodes"]} == {ids["up"], ids["down"]}
     assert detail["graph"]["edges"] == [[ids["up"], ids["down"]]]
-    assert detail["attempt_history"] is None and detail["progress"] is None
+    assert detail["attempt_history"] == [] and detail["progress"] is None
 
     page = html_ok(call(app, f"/jobs/{ids['up']}"))
     assert 'id="error">Traceback (most recent call last):\nboom</pre>' in page
