@@ -19,6 +19,8 @@ EXPECT = {
     "tenants.py": ["final slot-time shares", "'done': 250"],
     "crash_recover.py": ["killing worker A", "is done, attempts=2", "lease expired on attempt 1"],
     "pipeline_listen.py": ["20 hops in"],
+    "crawl_spawn.py": ["then failed (attempt 1): they are discarded", "crawl container: done; 12 page jobs in it",
+                       "fetched once each: True", "report: done"],
     "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
 }
 
