@@ -53,6 +53,7 @@ def test_spawned_jobs_are_held_until_the_result_commits_then_run_with_their_real
         b = ctx.enqueue("leaf", {"n": 4}, depends_on=[a, dag["y"]])
         seen["held"] = [jobq.get(engine, i).state for i in (a, dag["x"], dag["y"], b)]  # type: ignore[union-attr]
         seen["stats"] = jobq.stats(engine)["states"]["held"]
+        seen["why"] = jobq.why(engine, a)
         return {"spawned": [a, dag["x"], dag["y"], b]}
 
     def leaf(ctx: jobq.JobContext) -> None:
@@ -61,6 +62,7 @@ def test_spawned_jobs_are_held_until_the_result_commits_then_run_with_their_real
     pid = jobq.enqueue(engine, "parent")
     assert _worker(engine, {"parent": parent, "leaf": leaf}).run_until_idle(timeout=30)
     assert seen["held"] == ["held"] * 4 and seen["stats"] == 4
+    assert f"is held: spawned by job {pid}" in seen["why"]
     rows = _rows(engine)
     spawned = rows[pid].result["spawned"]
     assert rows[pid].state == "done"
@@ -275,3 +277,59 @@ def test_async_worker_handlers_spawn_without_await(db_url: str, engine: sa.Engin
     assert sorted(rows) == sorted([sid, *ids])
     assert [rows[i].result for i in ids] == [{"ran_for_attempt": 2}] * 2
     assert rows[ids[1]].started_at >= rows[sid].finished_at
+
+
+@pytest.mark.parametrize("end", ["timed_out", "cancelled"])
+def test_a_timed_out_or_cancelled_spawner_leaves_none_of_its_spawns(engine: sa.Engine, end: str) -> None:
+    """The handler spawns (into its container too), then runs until it is told to stop: by its
+    timeout, or by cancel(). Its spawns are deleted in the transaction that ends the attempt;
+    the container rolls up without them. The bug shows spawned rows left (held forever, or
+    released by the late result) or a container waiting forever on them."""
+    spawned = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def spawner(ctx: jobq.JobContext) -> dict[str, Any]:
+        kids = [ctx.enqueue("child"), ctx.enqueue("child", parent=ctx.parent_id)]
+        spawned.set()
+        while not ctx.wait(0.02):
+            pass
+        seen["reason"] = ctx.stop_reason
+        return {"kids": kids}  # a late result: must not release them
+
+    ids = jobq.submit(engine, [{"key": "c", "type": "box", "container": True},
+                               {"key": "s", "type": "spawner", "parent": "c", "max_attempts": 1,
+                                "timeout": 0.5 if end == "timed_out" else None}])
+    w = _worker(engine, {"spawner": spawner, "child": lambda ctx: None}, lease_ttl=3.0)
+    t = threading.Thread(target=w.run_until_idle, kwargs={"timeout": 60})
+    t.start()
+    try:
+        assert spawned.wait(30)
+        if end == "cancelled":
+            assert jobq.cancel(engine, ids["s"]) == "running"
+    finally:
+        t.join(60)
+    assert w.run_until_idle(timeout=30)
+    rows = _rows(engine)
+    assert seen["reason"] == end
+    assert sorted(rows) == sorted(ids.values()), "spawns of the ended attempt remain"
+    assert rows[ids["s"]].state == ("failed" if end == "timed_out" else "cancelled")
+    assert rows[ids["c"]].state == "failed"  # rolled up without the deleted spawn
+
+
+def test_a_spawn_whose_upstream_ended_badly_while_held_is_closed_at_release(engine: sa.Engine) -> None:
+    """A spawn depends on an existing job U that is cancelled while the spawn is held (nothing
+    propagates into a held job then). When the spawner's result commits, the spawn is released
+    closed, naming U (closed_by), as a job enqueued after U's cancel would be born; never left
+    waiting forever."""
+    u = jobq.enqueue(engine, "other")  # no worker runs this type
+
+    def spawner(ctx: jobq.JobContext) -> dict[str, int]:
+        x = ctx.enqueue("child", depends_on=[u])
+        assert jobq.cancel(engine, u) == "cancelled"
+        return {"x": x}
+
+    sid = jobq.enqueue(engine, "spawner")
+    assert _worker(engine, {"spawner": spawner, "child": lambda ctx: None}).run_until_idle(timeout=30)
+    rows = _rows(engine)
+    x = rows[rows[sid].result["x"]]
+    assert (x.state, x.closed_by, x.error) == ("cancelled", u, f"upstream job {u} was cancelled")
