@@ -37,7 +37,7 @@ import traceback
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -1140,8 +1140,8 @@ def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None
 
 def _q_landed(ids: Sequence[int], now: _dt.datetime, tokens: Iterable[str | None]) -> sa.Select[Any]:
     # After a batch finish refused some rows: the rows it did finish carry exactly this `now`.
-    return sa.select(_c.id).where(_c.id.in_(ids), _state_is("done"), _c.finished_at == now,
-                                  _c.lease_token.in_(set(tokens)))
+    return sa.select(_c.id, _c.lease_token).where(_c.id.in_(ids), _state_is("done"), _c.finished_at == now,
+                                                  _c.lease_token.in_(set(tokens)))
 
 
 def _q_done_under(job_id: int, token: str) -> sa.Select[Any]:
@@ -3068,7 +3068,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     written: list[str | None] = []
     terminal: list[tuple[int, str]] = []
     fast = [o for o in outcomes if o.kind == "done" and o.owner is not None and o.token is not None]
-    landed: set[int] = set()
+    landed: set[tuple[int, str | None]] = set()  # (job, token): one batch may hold two dispatches of a job
     if len(fast) > 1:
         # Fast path: one UPDATE per claim batch (lease token) and up to 500 rows, each row
         # still fenced by that token; only if some rows were refused, find out which.
@@ -3081,12 +3081,12 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
                 n += conn.execute(_q_finish_batch(d, part, owner, token, now)).rowcount
         ids = [o.job_id for o in fast]
         if n == len(fast):
-            landed = set(ids)
+            landed = {(o.job_id, o.token) for o in fast}
         else:  # rows these statements finished carry exactly this `now`; the others go one by one
             for chunk in _chunks(ids):
-                landed.update(conn.execute(_q_landed(chunk, now, {o.token for o in fast})).scalars())
+                landed.update((i, t) for i, t in conn.execute(_q_landed(chunk, now, {o.token for o in fast})))
     for o in outcomes:
-        if o.job_id in landed and o.kind == "done":
+        if (o.job_id, o.token) in landed and o.kind == "done":
             written.append("done")
             terminal.append((o.job_id, "done"))
             continue
@@ -3116,11 +3116,11 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
             terminal.append((o.job_id, state))
     spawners = [(o, st) for o, st in zip(outcomes, written, strict=True) if o.spawned]
     if spawners:  # before the rollups: a container no longer counts discarded spawns
-        _discard_spawns(conn, d, now, {o.job_id: o.token for o, st in spawners if st != "done"})
+        _discard_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st != "done"})
     if terminal:
         _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1})
     if spawners:  # after: the spawner is done and counted, its held jobs are work now
-        _release_spawns(conn, d, now, {o.job_id: o.token for o, st in spawners if st == "done"})
+        _release_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st == "done"})
     return written
 
 
@@ -3301,15 +3301,16 @@ def _close_jobs(conn: Connection, now: _dt.datetime, cause: Mapping[int, int], s
 # ---- spawned jobs: released with their spawner's result, or discarded -------------------------
 
 
-def _held_of(conn: Connection, d: _Dialect, dispatches: Mapping[int, str | None]) -> list[Any]:
-    """The held jobs of these dispatches (spawner id -> its lease token)."""
+def _held_of(conn: Connection, d: _Dialect, dispatches: Collection[tuple[int, str | None]]) -> list[Any]:
+    """The held jobs of these dispatches, (spawner id, its lease token) each: a batch may hold
+    a stale dispatch of a job next to its current one, and only the current one's are its."""
     out: list[Any] = []
-    for chunk in _chunks(sorted(dispatches)):
-        out += [r for r in conn.execute(_q_held_spawns(d, chunk)) if r.spawn_token == dispatches[r.spawned_by]]
-    return out
+    for chunk in _chunks(sorted({j for j, _ in dispatches})):
+        out += [r for r in conn.execute(_q_held_spawns(d, chunk)) if (r.spawned_by, r.spawn_token) in dispatches]
+    return sorted(out, key=lambda r: r.id)
 
 
-def _release_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches: Mapping[int, str | None]) -> None:
+def _release_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches: Collection[tuple[int, str | None]]) -> None:
     """The spawners' results committed (this transaction): their held jobs become work, with the
     state rule of _born_rows decided now (upstreams may have finished or failed meanwhile; the
     spawner itself is done). Jobs whose upstream or container ended badly close, and settle."""
@@ -3358,7 +3359,7 @@ def _release_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches
         d.notify(conn)
 
 
-def _discard_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches: Mapping[int, str | None]) -> None:
+def _discard_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches: Collection[tuple[int, str | None]]) -> None:
     """These dispatches ended without their result (failed, retried, released, cancelled, lease
     lost, reclaimed): delete their held jobs and edges, and uncount them from their containers;
     a container left with only finished children rolls up (settled here)."""
@@ -3408,7 +3409,7 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
     rows = conn.execute(d.lock_skip(_q_expired(now, limit))).all()
     if not rows:
         return []
-    _discard_spawns(conn, d, now, {r.id: r.lease_token for r in rows})  # their results never commit
+    _discard_spawns(conn, d, now, {(r.id, r.lease_token) for r in rows})  # their results never commit
     cancel = [r.id for r in rows if r.cancel_requested]
     retry = [r.id for r in rows if r.attempts < r.max_attempts and not r.cancel_requested]
     dead = [r.id for r in rows if r.attempts >= r.max_attempts and not r.cancel_requested]

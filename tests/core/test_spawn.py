@@ -192,9 +192,15 @@ def test_a_lost_lease_discards_the_spawns_and_refuses_new_ones(engine: sa.Engine
         held = [i for i, r in _rows(engine).items() if r.state == "held"]
         assert len(held) == 1
         token = _rows(engine)[held[0]].spawn_token
-        expire_leases(engine, sid)
-        jobq.reclaim(engine)  # or the worker's own tick got there first
-        assert _rows(engine)[sid].lease_token != token, "not reclaimed"
+
+        def reclaimed() -> bool:
+            # again if a heartbeat renewed the lease in between; the worker's own tick may
+            # reclaim it first
+            expire_leases(engine, sid)
+            jobq.reclaim(engine)
+            return bool(_rows(engine)[sid].lease_token != token)
+
+        wait_for(reclaimed, what="the reclaim of attempt 1")
         assert held[0] not in _rows(engine), "the reclaim left the stale dispatch's spawn"
     finally:
         resume.set()
@@ -333,3 +339,30 @@ def test_a_spawn_whose_upstream_ended_badly_while_held_is_closed_at_release(engi
     rows = _rows(engine)
     x = rows[rows[sid].result["x"]]
     assert (x.state, x.closed_by, x.error) == ("cancelled", u, f"upstream job {u} was cancelled")
+
+
+def test_one_batch_with_a_stale_and_the_current_dispatch_of_a_job_releases_only_the_current_spawns(
+        engine: sa.Engine) -> None:
+    """A worker may write, in one finalize batch, the late result of a dispatch that lost its
+    lease (token 1) next to the result of the job's current dispatch (token 2). Correct: the
+    stale one is refused, the current one lands, and the current dispatch's spawn is released.
+    The bug (outcomes matched by job id alone): both counted as landed, and the spawn released
+    under the stale token, i.e. never, left held forever."""
+    sid = jobq.enqueue(engine, "s", max_attempts=5)
+    first = jobq.claim_batch(engine, "w", 30)[0]
+    jobq._spawn(engine, jobq._plan([{"type": "child"}], single=True), jobq._Hold(sid, first.token, frozenset()))
+    expire_leases(engine, sid)
+    assert jobq.reclaim(engine) == 1
+    second = jobq.claim_batch(engine, "w", 30)[0]
+    kid = jobq._spawn(engine, jobq._plan([{"type": "child"}], single=True),
+                      jobq._Hold(sid, second.token, frozenset()))[jobq._ONE]
+    outcomes = [jobq._Outcome(sid, "w", lease.token, "done", result={"from": n}, spawned=True)
+                for n, lease in ((1, first), (2, second))]
+
+    def write(conn: sa.Connection, d: Any) -> list[str | None]:
+        return jobq._apply_outcomes(conn, d, outcomes, d.db_now(conn))
+
+    assert jobq._transaction(engine, write) == [None, "done"]
+    rows = _rows(engine)
+    assert rows[sid].result == {"from": 2}
+    assert sorted(rows) == [sid, kid] and rows[kid].state == "ready"
