@@ -37,7 +37,7 @@ import traceback
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -237,9 +237,12 @@ class ConfigError(JobqError, ValueError):
 #   leased    claimed with claim()/claim_batch(); the holder has not reported it started
 #   running   a Worker is executing it under a lease
 #   done / failed / cancelled   terminal
+#   held      spawned by a running handler (ctx.enqueue/ctx.submit, schema 4): not work yet. The
+#             finalize that commits the spawner's result releases it to waiting/ready; every
+#             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
 SCHEMA_VERSION = 4
-STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled")
+STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
 
@@ -274,7 +277,9 @@ def _mysql_index(name: str, *cols: Any) -> sa.Index:
 #: The ready index's priority column, descending (the claim reads it forwards).
 _PRIORITY_DESC = sa.text("priority DESC")
 #: The rows that hold their unique_key: unfinished ones. Keep in sync with _DDL_UNIQUE_LIVE.
-_UNIQUE_LIVE_WHERE = "unique_key IS NOT NULL AND state IN ('waiting', 'ready', 'leased', 'running')"
+# A job spawned by a running handler (``held``) holds its key too: its release into the ready
+# set must never collide with a key taken meanwhile. Keep in sync with _KEY_HOLDERS.
+_UNIQUE_LIVE_WHERE = "unique_key IS NOT NULL AND state IN ('waiting', 'ready', 'leased', 'running', 'held')"
 
 
 class Job(Base):
@@ -326,6 +331,10 @@ class Job(Base):
     checkpoint: orm.Mapped[Any] = orm.mapped_column(_JSONCOL, nullable=True)
     #: The handler's last ctx.progress(), written by the heartbeat; kept on finish (schema 4).
     progress: orm.Mapped[Any] = orm.mapped_column(_JSONCOL, nullable=True)
+    #: The job whose handler spawned this one (schema 4; kept), and while the job is ``held``
+    #: the lease token of that dispatch: only its fenced finalize releases the job.
+    spawned_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
+    spawn_token: orm.Mapped[str | None] = orm.mapped_column(sa.String(32), nullable=True)
 
     __table_args__ = (
         # The claim's scan: ready rows per group, highest priority first, then oldest due.
@@ -354,6 +363,10 @@ class Job(Base):
         # _UNIQUE_LIVE_WHERE (the insert's ON CONFLICT names it). MySQL/MariaDB: _DDL_UNIQUE_LIVE.
         sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
                  sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(dialect=("postgresql", "sqlite")),  # type: ignore[arg-type]
+        # Held spawns by their spawner (schema 4): release, discard and reclaim find them here;
+        # released rows leave the partial index. Keep in sync with _q_held_spawns.
+        _partial_index("ix_jobs_held", "spawned_by", where="state = 'held'"),
+        _mysql_index("ix_jobs_held_my", "state", "spawned_by"),
         # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
         # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
         # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
@@ -457,7 +470,7 @@ _c = _jobs.c
 # Not part of the Table (nothing writes it); created with the table and by _upgrade_4_state.
 _DDL_UNIQUE_LIVE = (
     sa.DDL("ALTER TABLE jobs ADD COLUMN unique_live VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
-           "GENERATED ALWAYS AS (CASE WHEN state IN ('waiting', 'ready', 'leased', 'running') "
+           "GENERATED ALWAYS AS (CASE WHEN state IN ('waiting', 'ready', 'leased', 'running', 'held') "
            "THEN unique_key END) STORED"),
     sa.DDL("CREATE UNIQUE INDEX ux_jobs_unique_live_my ON jobs (unique_live)"),
 )
@@ -481,6 +494,8 @@ _DDL_STARTS_N = sa.DDL("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 N
 _DDL_DROP_STATE_FINISHED = sa.DDL("DROP INDEX ix_jobs_state_finished")
 _DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
 _DDL_PRIORITY = sa.DDL("ALTER TABLE jobs ADD COLUMN priority INTEGER DEFAULT 0 NOT NULL")
+_DDL_SPAWNED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN spawned_by BIGINT")
+_DDL_SPAWN_TOKEN = sa.DDL("ALTER TABLE jobs ADD COLUMN spawn_token VARCHAR(32)")
 _Q_SQLITE_JOBS_SQL = sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'")
 _Q_SQLITE_OLD_INDEXES = sa.text(
     "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobq_jobs_old' AND sql IS NOT NULL"
@@ -517,6 +532,7 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
     # 3 -> 4: jobq_attempts is a new table (create_all, before this, made it); nothing to alter.
     if found < 4:
         _upgrade_4_state(conn, d)
+        _upgrade_4_spawn(conn, d)
     if d.rowid_reuse:
         # Also part of 2 -> 3, checked on every start (one catalogue read): a jobs table made
         # before it (by any version) still hands out pruned ids again.
@@ -551,6 +567,19 @@ def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
         index = next(i for i in _jobs.indexes if i.name == name)
         if name not in names and (d.partial_indexes == (name != "ix_jobs_ready_my")):
             index.create(conn)
+
+
+def _upgrade_4_spawn(conn: Connection, d: _Dialect) -> None:
+    """3 -> 4 (spawning from handlers): jobs.spawned_by, jobs.spawn_token and the index of held
+    spawns. Adds only what is missing."""
+    inspector = sa.inspect(conn)
+    have = {c["name"] for c in inspector.get_columns("jobs")}
+    for column, ddl in (("spawned_by", _DDL_SPAWNED_BY), ("spawn_token", _DDL_SPAWN_TOKEN)):
+        if column not in have:
+            conn.execute(ddl)
+    name = "ix_jobs_held" if d.partial_indexes else "ix_jobs_held_my"
+    if name not in {i["name"] for i in inspector.get_indexes("jobs")}:
+        next(i for i in _jobs.indexes if i.name == name).create(conn)
 
 
 def _autoincrement_jobs(conn: Connection) -> None:
@@ -895,6 +924,7 @@ def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElemen
 
 _BAD = ("failed", "cancelled")
 _OPEN = ("waiting", "ready", "leased", "running")
+_KEY_HOLDERS = (*_OPEN, "held")  # the states whose jobs hold their unique keys: _UNIQUE_LIVE_WHERE
 _Q_INSERT_JOB = sa.insert(_jobs)
 
 
@@ -903,7 +933,7 @@ def _q_live_keys(live_key: sa.ColumnElement[str], keys: Sequence[str]) -> sa.Sel
     the column: _Dialect.live_keys)."""
     stmt = sa.select(_c.unique_key, _c.id).where(live_key.in_(list(keys)))
     if live_key.name == "unique_key":  # the partial index: spell its predicate for the planner
-        stmt = stmt.where(_c.unique_key.is_not(None), _state_is(*_OPEN))
+        stmt = stmt.where(_c.unique_key.is_not(None), _state_is(*_KEY_HOLDERS))
     return stmt.order_by(_c.id)
 _Q_INSERT_JOBS = sa.insert(_jobs).returning(_c.id, sort_by_parameter_order=True)
 _Q_INSERT_DEPS = sa.insert(_deps)
@@ -912,6 +942,52 @@ _Q_NAME_CAUSE = (
     sa.update(_jobs).where(_c.id == sa.bindparam("b_id"))
     .values(closed_by=sa.bindparam("b_by"), error=sa.bindparam("b_error"))
 )
+
+
+# ---- spawned jobs (held until their spawner's result commits) ------------------------------
+
+
+def _q_spawner_fence(d: _Dialect, job_id: int, token: str) -> sa.Select[Any]:
+    """The spawning dispatch still holds its lease: locked, so a reclaim, cancel or finalize of
+    the spawner waits for the spawn's commit (and then finds its held rows), or runs first (and
+    the spawn is refused)."""
+    return d.lock_wait(sa.select(_c.id).where(*_fence(job_id, None, token)))
+
+
+def _q_held_spawns(d: _Dialect, spawners: Sequence[int]) -> sa.Select[Any]:
+    """The held jobs of these spawners, containers before their children (ids grow down a
+    submit). Through ix_jobs_held: keep the predicate spelled as the index's."""
+    return (
+        sa.select(_c.id, _c.parent_id, _c.is_container, _c.spawned_by, _c.spawn_token)
+        .where(_state_is("held"), _id_in(d, _c.spawned_by, spawners)).order_by(_c.id)
+    )
+
+
+def _q_upstream_edges(ids: Sequence[int]) -> sa.Select[Any]:
+    """(job, upstream, upstream's state) for every upstream of these jobs."""
+    return (
+        sa.select(_deps.c.job_id, _deps.c.depends_on_id, _c.state)
+        .join(_jobs, _c.id == _deps.c.depends_on_id).where(_deps.c.job_id.in_(ids))
+    )
+
+
+def _q_release_held(ids: Sequence[int], state: str, pending: int, now: _dt.datetime) -> sa.Update:
+    return (
+        sa.update(_jobs).where(_c.id.in_(ids), _state_is("held"))
+        .values(state=state, pending_deps=pending, spawn_token=None, updated_at=now)
+    )
+
+
+def _q_uncount_children(parent_id: int, n: int) -> sa.Update:
+    """Discarded spawns leave their (waiting or held) container."""
+    return (
+        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting", "held"))
+        .values(pending_children=_c.pending_children - n)
+    )
+
+
+def _q_held_count() -> sa.Select[Any]:
+    return sa.select(sa.func.count()).where(_state_is("held"), _c.spawned_by.is_not(None))
 
 
 def _q_lock_jobs(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
@@ -970,8 +1046,9 @@ def _q_open_children(ids: Sequence[int]) -> sa.Select[Any]:
 
 
 def _q_add_children(parent_id: int, n: int) -> sa.Update:
+    # held: a container spawned earlier by the same dispatch (checked by _insert_graph)
     return (
-        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting"))
+        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting", "held"))
         .values(pending_children=_c.pending_children + n)
     )
 
@@ -1140,6 +1217,7 @@ class _Outcome:
     delay: float = 0.0  # seconds before a retry may run
     parent_id: int | None = -1  # the job's container if the caller knows it (-1: look it up)
     ended: str | None = None  # the attempt's outcome in its history when a failure is more specific ("timeout")
+    spawned: bool = False  # the dispatch may have held spawns: release them with "done", else discard
 
 
 def _fence(job_id: int, owner: str | None, token: str | None, *, cancelled: bool = False) -> list[sa.ColumnElement[bool]]:
@@ -1195,8 +1273,8 @@ def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None
 
 def _q_landed(ids: Sequence[int], now: _dt.datetime, tokens: Iterable[str | None]) -> sa.Select[Any]:
     # After a batch finish refused some rows: the rows it did finish carry exactly this `now`.
-    return sa.select(_c.id).where(_c.id.in_(ids), _state_is("done"), _c.finished_at == now,
-                                  _c.lease_token.in_(set(tokens)))
+    return sa.select(_c.id, _c.lease_token).where(_c.id.in_(ids), _state_is("done"), _c.finished_at == now,
+                                                  _c.lease_token.in_(set(tokens)))
 
 
 def _q_done_under(job_id: int, token: str) -> sa.Select[Any]:
@@ -2364,6 +2442,7 @@ class JobInfo:
     #: The last ``ctx.progress`` a heartbeat carried: ``{"done", "total", "message"}``, or None.
     #: Kept when the job finishes (schema 4).
     progress: Any = None
+    spawned_by: int | None = None  # the job whose handler spawned it (ctx.enqueue/ctx.submit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2534,7 +2613,7 @@ def _job_row(spec: _JobSpec, now: _dt.datetime, *, state: str, pending_deps: int
     row.update(
         state=state, created_at=now, updated_at=now, finished_at=now if closed else None, error=None, closed_by=None,
         attempts=0, in_flight=False, cancel_requested=False, pending_deps=pending_deps,
-        pending_children=pending_children, failed_children=0,
+        pending_children=pending_children, failed_children=0, spawned_by=None, spawn_token=None,
     )
     return row
 
@@ -2756,9 +2835,24 @@ def _submit(target: Engine | Connection | orm.Session, plan: _Plan) -> dict[str,
     raise JobqError(f"unique_key: the keys were taken by concurrent transactions {_KEY_RERUNS} times in a row")
 
 
-def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class _Hold:
+    """New jobs spawned by a running dispatch: inserted ``held`` under its lease token. ``own``:
+    the jobs this dispatch spawned before (the only held jobs it may name)."""
+
+    spawner: int
+    token: str
+    own: frozenset[int]
+
+
+def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime, hold: _Hold | None = None
+                  ) -> dict[str, int]:
     """Read and check everything, then write: the new rows, their edges, the containers' child
-    counts, and the propagation of jobs born closed (an upstream already failed)."""
+    counts, and the propagation of jobs born closed (an upstream already failed). Items whose
+    unique keys unfinished jobs hold are not inserted: their ids name the holders (_without).
+    With ``hold`` the rows are born ``held`` instead (their state is decided when they are
+    released, see _release_spawns) and the container counts them at once: it cannot roll up
+    before the spawner's result decides their fate."""
     keys = {sp.unique_key: k for k, sp in plan.specs.items() if sp.unique_key is not None}
     held: dict[str, int] = {}
     if keys:
@@ -2766,7 +2860,7 @@ def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime)
             held.update((keys[u], i) for u, i in d.live_keys(conn, chunk).items())
         if held:
             plan = _without(plan, held)
-    ids = _insert_new(conn, d, plan, now) if plan.specs else {}
+    ids = _insert_new(conn, d, plan, now, hold) if plan.specs else {}
     return {**ids, **held}
 
 
@@ -2785,9 +2879,12 @@ def _without(plan: _Plan, held: Mapping[str, int]) -> _Plan:
     return _link(specs, plan.single)
 
 
-def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -> dict[str, int]:
+def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime, hold: _Hold | None = None
+                ) -> dict[str, int]:
+    """_insert_graph's writes, for the items no unique key turned away."""
     specs = plan.specs
     prefix = "" if plan.single else "submit: "
+    own = hold.own if hold is not None else frozenset()
     ext_deps = sorted({u for sp in specs.values() for u in sp.depends_on if isinstance(u, int)})
     up_state: dict[int, str] = {}
     for chunk in _chunks(ext_deps):
@@ -2795,6 +2892,10 @@ def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -
     missing = [i for i in ext_deps if i not in up_state]
     if missing:
         raise InvalidJob(f"{prefix}depends_on: no job with id {', '.join(map(str, missing))}")
+    unborn = [i for i in ext_deps if up_state[i] == "held" and i not in own]
+    if unborn:
+        raise InvalidJob(f"{prefix}depends_on: job {unborn[0]} is held: spawned by a handler that has not finished, "
+                         "it exists only if that handler's result commits")
     named_by: dict[int, str] = {}  # existing container -> the first key that names it as parent
     for k, sp in specs.items():
         if isinstance(sp.parent, int):
@@ -2808,11 +2909,17 @@ def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -
             raise InvalidJob(f"{plan.where(k)}parent: no job with id {pid}")
         if not r.is_container:
             raise InvalidJob(f"{plan.where(k)}parent {pid} is not a container (enqueue it with container=True)")
-        if r.state != "waiting":
+        if r.state == "held" and pid not in own:
+            raise InvalidJob(f"{plan.where(k)}parent {pid} is held: spawned by a handler that has not finished")
+        if r.state not in ("waiting", "held"):
             raise InvalidJob(f"{plan.where(k)}parent {pid} has already rolled up ({r.state}); it takes no more children")
     if boxes:
         _check_existing_deadlocks(conn, plan, boxes)
     rows, closed = _born_rows(plan, up_state, {pid: r.pending_deps > 0 for pid, r in boxes.items()}, now)
+    if hold is not None:
+        for row in rows.values():
+            row.update(state="held", finished_at=None, spawned_by=hold.spawner, spawn_token=hold.token)
+        closed = []  # decided at release
     # -- every check passed: write
     per_box: dict[int, int] = {}
     for sp in specs.values():
@@ -2847,6 +2954,21 @@ def _insert_new(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime) -
     if any(r["state"] == "ready" for r in rows.values()):
         d.notify(conn)
     return ids
+
+
+def _spawn(engine: Engine, plan: _Plan, hold: _Hold) -> dict[str, int]:
+    """ctx.enqueue/ctx.submit: insert ``plan`` held under the spawner's lease, in a transaction
+    of its own fenced by that lease (one row lock on the spawner)."""
+
+    def run(conn: Connection, d: _Dialect) -> dict[str, int]:
+        if conn.execute(_q_spawner_fence(d, hold.spawner, hold.token)).first() is None:
+            raise LeaseLost(f"job {hold.spawner}: this dispatch no longer holds its lease (or the job was cancelled); "
+                            "nothing spawned")
+        return _insert_graph(conn, d, plan, d.db_now(conn), hold)
+
+    # Not retried on a connection lost during COMMIT (as _submit): the dispatch's end cleans up
+    # whatever landed, and the handler sees the error.
+    return _transaction(engine, run)
 
 
 def _born_rows(plan: _Plan, up_state: Mapping[int, str], gated: Mapping[int, bool], now: _dt.datetime
@@ -3351,7 +3473,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     terminal: list[tuple[int, str]] = []
     ended: list[tuple[int, str, str | None]] = []  # attempts this transaction ended: history rows
     fast = [o for o in outcomes if o.kind == "done" and o.owner is not None and o.token is not None]
-    landed: set[int] = set()
+    landed: set[tuple[int, str | None]] = set()  # (job, token): one batch may hold two dispatches of a job
     if len(fast) > 1:
         # Fast path: one UPDATE per claim batch (lease token) and up to 500 rows, each row
         # still fenced by that token; only if some rows were refused, find out which.
@@ -3364,12 +3486,12 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
                 n += conn.execute(_q_finish_batch(d, part, owner, token, now)).rowcount
         ids = [o.job_id for o in fast]
         if n == len(fast):
-            landed = set(ids)
+            landed = {(o.job_id, o.token) for o in fast}
         else:  # rows these statements finished carry exactly this `now`; the others go one by one
             for chunk in _chunks(ids):
-                landed.update(conn.execute(_q_landed(chunk, now, {o.token for o in fast})).scalars())
+                landed.update((i, t) for i, t in conn.execute(_q_landed(chunk, now, {o.token for o in fast})))
     for o in outcomes:
-        if o.job_id in landed and o.kind == "done":
+        if (o.job_id, o.token) in landed and o.kind == "done":
             written.append("done")
             terminal.append((o.job_id, "done"))
             ended.append((o.job_id, "done", o.owner))
@@ -3402,8 +3524,13 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
             terminal.append((o.job_id, state))
     for rec in _chunks(ended):
         conn.execute(_q_record_attempts(d, rec, now))
+    spawners = [(o, st) for o, st in zip(outcomes, written, strict=True) if o.spawned]
+    if spawners:  # before the rollups: a container no longer counts discarded spawns
+        _discard_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st != "done"})
     if terminal:
         _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1})
+    if spawners:  # after: the spawner is done and counted, its held jobs are work now
+        _release_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st == "done"})
     return written
 
 
@@ -3581,6 +3708,99 @@ def _close_jobs(conn: Connection, now: _dt.datetime, cause: Mapping[int, int], s
             todo.append((jid, state))
 
 
+# ---- spawned jobs: released with their spawner's result, or discarded -------------------------
+
+
+def _held_of(conn: Connection, d: _Dialect, dispatches: Collection[tuple[int, str | None]]) -> list[Any]:
+    """The held jobs of these dispatches, (spawner id, its lease token) each: a batch may hold
+    a stale dispatch of a job next to its current one, and only the current one's are its."""
+    out: list[Any] = []
+    for chunk in _chunks(sorted({j for j, _ in dispatches})):
+        out += [r for r in conn.execute(_q_held_spawns(d, chunk)) if (r.spawned_by, r.spawn_token) in dispatches]
+    return sorted(out, key=lambda r: r.id)
+
+
+def _release_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches: Collection[tuple[int, str | None]]) -> None:
+    """The spawners' results committed (this transaction): their held jobs become work, with the
+    state rule of _born_rows decided now (upstreams may have finished or failed meanwhile; the
+    spawner itself is done). Jobs whose upstream or container ended badly close, and settle."""
+    rows = _held_of(conn, d, dispatches)
+    if not rows:
+        return
+    mine = {r.id for r in rows}
+    ups: dict[int, list[tuple[int, str]]] = {}
+    for chunk in _chunks(sorted(mine)):
+        for j, u, st in conn.execute(_q_upstream_edges(chunk)):
+            ups.setdefault(j, []).append((u, st))
+    boxes: dict[int, Any] = {}
+    for chunk in _chunks(sorted({r.parent_id for r in rows if r.parent_id is not None and r.parent_id not in mine})):
+        boxes.update((b.id, b) for b in conn.execute(_q_lock_jobs(d, chunk)))
+    pending: dict[int, int] = {}
+    by_upstream: dict[str, dict[int, int]] = {s: {} for s in _BAD}
+    by_box: dict[str, dict[int, int]] = {s: {} for s in _BAD}
+    for r in rows:  # containers first: a child's gate is its container's pending count
+        edges = ups.get(r.id, [])
+        bad = sorted((u, st) for u, st in edges if st in _BAD)
+        gate = 0
+        if r.parent_id in mine:
+            gate = int(pending[r.parent_id] > 0)
+        elif r.parent_id is not None:
+            box = boxes[r.parent_id]
+            gate = int(box.pending_deps > 0)
+            if box.state in _BAD and not bad:
+                by_box[box.state][r.id] = box.id
+        if bad:
+            by_upstream[bad[0][1]][r.id] = bad[0][0]
+        pending[r.id] = sum(1 for u, st in edges if st != "done") + gate
+    groups: dict[tuple[str, int], list[int]] = {}
+    for r in rows:
+        state = "waiting" if r.is_container or pending[r.id] else "ready"
+        groups.setdefault((state, pending[r.id]), []).append(r.id)
+    for (state, n), ids in sorted(groups.items()):
+        for chunk in _chunks(ids):
+            conn.execute(_q_release_held(chunk, state, n, now))
+    todo: deque[tuple[int, str]] = deque()
+    for bad_state in _BAD:
+        _close_jobs(conn, now, by_upstream[bad_state], bad_state, todo)
+        _close_jobs(conn, now, by_box[bad_state], bad_state, todo, by_container=True)
+    if todo:
+        _settle(conn, d, now, list(todo))
+    if any(state == "ready" for state, _ in groups):
+        d.notify(conn)
+
+
+def _discard_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches: Collection[tuple[int, str | None]]) -> None:
+    """These dispatches ended without their result (failed, retried, released, cancelled, lease
+    lost, reclaimed): delete their held jobs and edges, and uncount them from their containers;
+    a container left with only finished children rolls up (settled here)."""
+    rows = _held_of(conn, d, dispatches)
+    if not rows:
+        return
+    mine = {r.id for r in rows}
+    per_box: dict[int, int] = {}
+    for r in rows:
+        if r.parent_id is not None and r.parent_id not in mine:
+            per_box[r.parent_id] = per_box.get(r.parent_id, 0) + 1
+    for chunk in _chunks(sorted(mine)):
+        conn.execute(_q_delete_edges(chunk))
+    leaves = sorted(r.id for r in rows if not r.is_container)
+    for chunk in _chunks(leaves):
+        conn.execute(_q_delete_jobs(chunk))
+    for jid in sorted((r.id for r in rows if r.is_container), reverse=True):  # innermost first (foreign keys)
+        conn.execute(_q_delete_jobs([jid]))
+    rolled: list[tuple[int, str]] = []
+    for pid, n in sorted(per_box.items()):
+        if not conn.execute(_q_uncount_children(pid, n)).rowcount:
+            continue
+        c = conn.execute(_q_child_counts(pid)).one()
+        if c.state == "waiting" and c.pending_children == 0 and conn.execute(_q_child_states(pid)).first() is not None:
+            state, err = _rollup(c.failed_children, None)
+            conn.execute(_q_roll_up(pid, state, err, now))
+            rolled.append((pid, state))
+    if rolled:
+        _settle(conn, d, now, rolled)
+
+
 # ---- reclaim ----------------------------------------------------------------------------------
 
 
@@ -3599,6 +3819,7 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
     rows = conn.execute(d.lock_skip(_q_expired(now, limit))).all()
     if not rows:
         return []
+    _discard_spawns(conn, d, now, {(r.id, r.lease_token) for r in rows})  # their results never commit
     cancel = [r.id for r in rows if r.cancel_requested]
     retry = [r.id for r in rows if r.attempts < r.max_attempts and not r.cancel_requested]
     dead = [r.id for r in rows if r.attempts >= r.max_attempts and not r.cancel_requested]
@@ -3900,6 +4121,9 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
             return f"{head} is done: finished {_iso(r.finished_at)} after {r.attempts} attempt(s)"
         if r.state in ("failed", "cancelled"):
             return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id}){note}"
+        if r.state == "held":
+            return (f"{head} is held: spawned by job {r.spawned_by}, whose handler is still running; it becomes work "
+                    f"if that job's result commits, and is deleted if it does not")
         if r.state in _LIVE:
             left = (r.lease_expires - t).total_seconds() if r.lease_expires else 0.0
             ask = "; cancel requested" if r.cancel_requested else ""
@@ -4009,7 +4233,8 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
         finished within ``window``), ``window_seconds``, ``ready_by_group`` (every ready job),
         ``ready_due`` and ``ready_scheduled`` (the ready jobs whose ``run_after`` has passed,
         and those scheduled for later: backing off, or enqueued with a future ``run_after``),
-        ``due_by_group``, ``in_flight`` (per group, including slots held by abandoned
+        ``due_by_group``, ``held`` in ``states`` (jobs spawned by running handlers, not yet work),
+        ``in_flight`` (per group, including slots held by abandoned
         handlers), ``oldest_ready`` (the ``run_after`` of the longest-waiting due job, or
         None), ``next_scheduled`` (the earliest ``run_after`` of a scheduled job, or None),
         ``expired_leases`` (awaiting reclaim), ``recent_failures`` (up to 5: id, type, error,
@@ -4029,6 +4254,7 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
             due_by_group[g] = int(due or 0)  # MySQL sums to a Decimal
         live["ready"] = sum(ready_by_group.values())
         live["waiting"] = conn.execute(_q_waiting_count()).scalar_one()
+        live["held"] = conn.execute(_q_held_count()).scalar_one()
         for st, n in conn.execute(_q_in_flight_by_state()):
             live[st] = n
         for st, n in conn.execute(_q_finished_by_state(since)):
@@ -4072,7 +4298,8 @@ _CTX_LOCK = threading.Lock()
 
 
 class JobContext:
-    """What a handler receives: the job, and ways to learn that it should stop.
+    """What a handler receives: the job, ways to learn that it should stop, and ways to add
+    work atomically with its result (:meth:`enqueue`, :meth:`submit`).
 
     Attributes:
         id, type, args, attempt, max_attempts, group_key, parent_id: the job as claimed.
@@ -4100,6 +4327,9 @@ class JobContext:
         self._progress: dict[str, Any] | None = None
         self._progress_sent: dict[str, Any] | None = None  # the report the last heartbeat wrote
         self._report: Callable[[dict[str, Any]], None] | None = None  # a process handler's pipe
+        #: Inserts a checked _Plan held under this dispatch's lease; set by the worker (or, in a
+        #: handler process, a call through the pipe to it).
+        self._spawner: Callable[[_Plan], dict[str, int]] | None = None
 
     def _event(self) -> Any:
         if self._stop is None:
@@ -4180,6 +4410,54 @@ class JobContext:
         if self._report is not None:
             self._report(self._progress)
 
+    def enqueue(self, type: str, args: Mapping[str, Any] | None = None, **kw: Any) -> int:
+        """Spawn a job that exists only if this dispatch's result commits.
+
+        Takes :func:`jobq.enqueue`'s arguments (after the target), with the same checks. The job
+        is written at once, ``held`` under this dispatch's lease: nothing claims it, and the
+        finalize that writes this handler's result releases it (to ``ready``/``waiting``) in the
+        same transaction. If the handler raises, times out, is cancelled or loses its lease, or
+        the worker dies (its lease is reclaimed), the job is deleted and never runs. Its id is
+        real: put it in the result, or name it in later spawns' ``depends_on``/``parent``.
+        ``depends_on=[ctx.id]`` runs it after this job; ``parent=ctx.parent_id`` adds it to this
+        job's container, which then cannot roll up before it finishes.
+
+        Each call is one short transaction (it locks this job's row); spawn many at once with
+        :meth:`submit`.
+
+        Returns:
+            The new job's id.
+
+        Raises:
+            InvalidJob: bad input, as :func:`jobq.enqueue` (also: naming a held job of another
+                dispatch). Nothing is written.
+            LeaseLost: this dispatch no longer holds its lease, or the job was cancelled.
+            JobqError: not a worker's context.
+        """
+        unknown = set(kw) - set(_JOB_FIELD_NAMES)
+        if unknown or "type" in kw or "args" in kw:
+            raise InvalidJob(f"ctx.enqueue: unknown or repeated arguments {sorted(unknown | ({'type', 'args'} & set(kw)))}")
+        return self._spawn(_plan([{"type": type, "args": args, **kw}], single=True))[_ONE]
+
+    def submit(self, jobs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+        """Spawn a whole DAG (the items of :func:`jobq.submit`) held as :meth:`enqueue` holds one
+        job: one transaction, released with this dispatch's result or deleted with it.
+
+        Returns:
+            key -> new job id.
+
+        Raises:
+            InvalidJob: a bad item, as :func:`jobq.submit`. Nothing is written.
+            LeaseLost: this dispatch no longer holds its lease, or the job was cancelled.
+            JobqError: not a worker's context.
+        """
+        return self._spawn(_plan(jobs, single=False))
+
+    def _spawn(self, plan: _Plan) -> dict[str, int]:
+        if self._spawner is None:
+            raise JobqError("spawning needs the context a Worker passes to its handler")
+        return self._spawner(plan)
+
     def __repr__(self) -> str:
         return f"JobContext(id={self.id}, type={self.type!r}, attempt={self.attempt})"
 
@@ -4196,6 +4474,8 @@ class _Running:
     abandoned: bool = False  # released (timed out / shutdown / lease lost) while its handler still ran
     returned: bool = False  # the handler thread has finished
     size: int = 0  # bytes of its encoded result, once returned
+    spawned: bool = False  # the handler called ctx.enqueue/submit: its held jobs go with its outcome
+    own: set[int] = dataclasses.field(default_factory=set)  # ids it spawned
     write_failures: int = 0  # writes of its outcome that failed while the database was up
 
     @property
@@ -4255,13 +4535,23 @@ def _worker_id() -> str:
     return f"{socket.gethostname()[:80]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _pipe_spawn(conn: Any, plan: _Plan) -> dict[str, int]:
+    # In a handler process: the parent's handler thread spawns (one engine, one fence) and answers.
+    conn.send(("spawn", plan))
+    kind, value = conn.recv()
+    if kind == "raise":
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
 def _process_main(handler: Callable[[JobContext], Any], lease: Lease, stop: Any, conn: Any) -> None:
-    # Runs in the handler's own process: report the outcome through the pipe, touch nothing
-    # else (the database connections inherited by fork belong to the parent).
+    # Runs in the handler's own process: report the outcome (and ask for spawns) through the
+    # pipe, touch nothing else (the database connections inherited by fork belong to the parent).
     ctx = JobContext(lease)
     ctx._stop = stop
     ctx._save = functools.partial(_checkpoint_through_pipe, conn)
     ctx._report = lambda p: conn.send(("progress", p))
+    ctx._spawner = functools.partial(_pipe_spawn, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
@@ -4604,6 +4894,7 @@ class _WorkerCore:
         timeout = lease.timeout if lease.timeout is not None else self.timeout
         now = time.monotonic()
         run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now)
+        ctx._spawner = functools.partial(self._spawn, run)
         with self._lock:
             self._running[run.key] = run
             self._busy += 1
@@ -4636,6 +4927,13 @@ class _WorkerCore:
 
     def _poke(self) -> None:
         self._wake.set()
+
+    def _spawn(self, run: _Running, plan: _Plan) -> dict[str, int]:
+        """A handler's ctx.enqueue/submit (in its thread, or for a handler process here)."""
+        run.spawned = True  # before the insert: whatever may have landed goes with the outcome
+        ids = _spawn(self.engine, plan, _Hold(run.lease.id, run.lease.token, frozenset(run.own)))
+        run.own.update(ids.values())
+        return ids
 
     @staticmethod
     def _check_result(value: Any) -> tuple[str, Any]:
@@ -4707,12 +5005,13 @@ class _WorkerCore:
                 continue
             if kind == "ok":
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "done", result=payload,
-                                             parent_id=lease.parent_id))
+                                             parent_id=lease.parent_id, spawned=run.spawned))
             else:
                 retry = kind == "error" and lease.attempt < lease.max_attempts
                 delay = float(self.retry_backoff(lease.attempt)) if retry else 0.0
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
-                                             error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id))
+                                             error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id,
+                                             spawned=run.spawned))
             out.keep.append((run, kind, payload))
         return out
 
@@ -4839,7 +5138,9 @@ class _WorkerCore:
         expires = now + _dt.timedelta(seconds=self.lease_ttl)
 
         def write(conn: Connection, d: _Dialect) -> None:
-            _apply_outcomes(conn, d, [outcomes(r) for r in runs], now)
+            # spawned=True: a handler still going may be inside a spawn right now (it commits
+            # first, holding this job's row, or is refused): look for held jobs whatever the flag.
+            _apply_outcomes(conn, d, [dataclasses.replace(outcomes(r), spawned=True) for r in runs], now)
             _hold_slots(conn, runs, self.worker_id, expires)
 
         _transaction(self.engine, write)
@@ -5173,7 +5474,7 @@ class Worker(_WorkerCore):
         from multiprocessing.connection import wait
 
         assert self._mp is not None
-        recv, send = self._mp.Pipe()  # duplex: the handler's checkpoints are answered
+        recv, send = self._mp.Pipe()  # duplex: the handler process's checkpoints and spawns are answered
         stop = self._mp.Event()
         proc = self._mp.Process(  # type: ignore[attr-defined]
             target=_process_main, args=(self.handlers[run.lease.type], run.lease, stop, send),
@@ -5198,6 +5499,9 @@ class Worker(_WorkerCore):
                         state, run.ctx._progress = msg[1]
                         recv.send(self._checkpoint_for_child(run, state))
                         msg = None
+                    elif msg[0] == "spawn":
+                        recv.send(self._spawn_answer(run, msg[1]))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -5221,6 +5525,13 @@ class Worker(_WorkerCore):
             return "lost", str(exc)
         except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
             return "error", f"checkpoint not stored: {_one_line(exc)}"
+    def _spawn_answer(self, run: _Running, plan: _Plan) -> tuple[str, Any]:
+        try:
+            return "ids", self._spawn(run, plan)
+        except JobqError as exc:
+            return "raise", exc
+        except Exception as exc:  # noqa: BLE001 - a driver's error may not pickle: its text does
+            return "raise", JobqError(f"spawn failed: {_one_line(exc)}")
 
     def _stop_handlers(self, runs: Sequence[_Running]) -> None:
         for run in runs:
@@ -5443,7 +5754,7 @@ class AsyncWorker(_WorkerCore):
 
         try:
             handler: Any = self.handlers[run.lease.type]
-            value = await handler(run.ctx)
+            value = await _in_bridge(handler(run.ctx))
             kind, payload = self._check_result(value)
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
@@ -5473,6 +5784,42 @@ class AsyncWorker(_WorkerCore):
                 run = self._running.get(key)
                 if run is not None and run.ctx.stop_reason in ("lease_lost", "cancelled"):
                     task.cancel()
+
+
+async def _in_bridge(coro: Any) -> Any:
+    """Await ``coro`` with its steps run inside SQLAlchemy's greenlet bridge, so that the
+    synchronous jobq calls a handler makes (ctx.enqueue, ctx.submit) await the async driver
+    instead of blocking the event loop. The coroutine is driven as a Task drives it: each
+    future it yields is waited for (and cancelled with the task), then it is resumed."""
+    import asyncio
+
+    from sqlalchemy.util import await_only, greenlet_spawn
+
+    async def step(fut: Any) -> None:
+        if fut is None:  # a bare yield (asyncio.sleep(0)): give the loop one turn
+            await asyncio.sleep(0)
+            return
+        fut._asyncio_future_blocking = False
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+
+    def drive() -> Any:
+        error: BaseException | None = None
+        while True:
+            try:
+                fut = coro.throw(error) if error is not None else coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            try:
+                await_only(step(fut))
+            except BaseException as exc:  # noqa: BLE001 - delivered into the handler, as a Task would
+                error = exc
+
+    return await greenlet_spawn(drive)
 
 
 class _AioNamespace:

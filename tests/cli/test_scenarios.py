@@ -21,6 +21,8 @@ EXPECT = {
                           ": reclaimed (lease expired on attempt 1", ": done"],
     "pipeline_listen.py": ["20 hops in"],
     "checkpoint_resume.py": ["kill -9 worker A", "starting from checkpoint", "is done, attempts=2", "rows': 8000"],
+    "crawl_spawn.py": ["then failed (attempt 1): they are discarded", "crawl container: done; 12 page jobs in it",
+                       "fetched once each: True", "report: done"],
     "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
 }
 

@@ -73,6 +73,19 @@ def main() -> None:
             time.sleep(sleep)
         return {"pid": pid, "attempt": ctx.attempt}
 
+    def spawner(ctx: jobq.JobContext) -> dict:
+        # Spawns args["n"] work jobs (the last also waits on this job), then, on attempt 1 only,
+        # marks spawned-JOB-ATTEMPT and sleeps args["hold"] seconds (a kill window).
+        append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
+        n = int(ctx.args.get("n", 3))
+        items = [{"key": str(i), "type": "work", "args": {"sleep": 0.01, "attempt": ctx.attempt}} for i in range(n)]
+        items[-1]["depends_on"] = [ctx.id, *(str(i) for i in range(n - 1))]
+        ids = ctx.submit(items)
+        (logs / f"spawned-{ctx.id}-{ctx.attempt}").touch()
+        if ctx.attempt == 1:
+            time.sleep(float(ctx.args.get("hold", 0)))
+        return {"pid": pid, "attempt": ctx.attempt, "spawned": sorted(ids.values())}
+
     def poison(ctx: jobq.JobContext) -> None:
         append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
         os.kill(pid, signal.SIGKILL)
@@ -95,7 +108,7 @@ def main() -> None:
     connect_args = {"application_name": "jobq-crash-worker"} if ns.url.startswith("postgresql") else {}
     engine = sa.create_engine(ns.url, pool_pre_ping=not ns.no_pre_ping, connect_args=connect_args)
     worker = jobq.Worker(
-        engine, {"work": work, "poison": poison, "steps": steps}, max_concurrency=ns.concurrency, lease_ttl=ns.ttl,
+        engine, {"work": work, "poison": poison, "steps": steps, "spawner": spawner}, max_concurrency=ns.concurrency, lease_ttl=ns.ttl,
         poll_interval=0.02, retry_backoff=lambda a: 0.0, shutdown_timeout=ns.shutdown_timeout, executor=ns.executor,
         on_event=lambda ev: append(logs / f"events-{pid}.log", f"{ev.action} {ev.job_id}"),
     )
