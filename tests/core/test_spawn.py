@@ -366,3 +366,31 @@ def test_one_batch_with_a_stale_and_the_current_dispatch_of_a_job_releases_only_
     rows = _rows(engine)
     assert rows[sid].result == {"from": 2}
     assert sorted(rows) == [sid, kid] and rows[kid].state == "ready"
+
+
+def test_a_held_spawn_holds_its_unique_key_so_its_release_never_collides(engine: sa.Engine) -> None:
+    """A handler spawns a job with a unique key; while it is held, an outside enqueue of the same
+    key gets the held job's id and writes nothing, and after the spawner's result commits the
+    job runs once under that id. A second handler failing after spawning the key frees it
+    again. A bug shows two jobs with the key (a duplicate released next to the outside one), or
+    a finalize failing on the unique index when the held job is released."""
+    seen: dict[str, int] = {}
+    ran: list[int] = []
+
+    def parent(ctx: jobq.JobContext) -> None:
+        seen["spawned"] = ctx.enqueue("leaf", unique_key="page:/a")
+        seen["outside"] = jobq.enqueue(engine, "leaf", unique_key="page:/a")
+
+    def failing(ctx: jobq.JobContext) -> None:
+        seen["doomed"] = ctx.enqueue("leaf", unique_key="page:/b")
+        raise RuntimeError("after spawning")
+
+    jobq.enqueue(engine, "parent")
+    jobq.enqueue(engine, "failing", max_attempts=1)
+    assert _worker(engine, {"parent": parent, "failing": failing, "leaf": lambda ctx: ran.append(ctx.id)}
+                   ).run_until_idle(timeout=30)
+    assert seen["outside"] == seen["spawned"] and ran == [seen["spawned"]]
+    keyed = [r for r in _rows(engine).values() if r.unique_key is not None]
+    assert [(r.id, r.unique_key, r.state) for r in keyed] == [(seen["spawned"], "page:/a", "done")]
+    fresh = jobq.enqueue(engine, "leaf", unique_key="page:/b")  # the discarded spawn freed its key
+    assert fresh != seen["doomed"] and jobq.get(engine, fresh).state == "ready"  # type: ignore[union-attr]
