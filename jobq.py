@@ -549,19 +549,22 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
     return stmt.order_by(_c.run_after, _c.id)
 
 
-# The distinct groups with ready jobs, by a skip scan of the ready index: one index probe per
-# group, however many jobs each group has ready (a GROUP BY would read the whole ready set).
+# The next groups with ready jobs after a group key (b_after; "" from the start), at most
+# b_window of them, by a skip scan of the ready index: one index probe per group, however many
+# jobs each group has ready (a GROUP BY would read the whole ready set), and never more probes
+# than the window, however many groups have ready work (the claim's window: _GroupScan).
 # Neither run_after nor the types are checked here; _q_group_counts does, per group, bounded.
 # One recursion level per group: `hint` lifts a recursion limit where the engine has one.
 def _ready_groups(hint: str = "") -> sa.TextualSelect:
     return sa.text(
-        "WITH RECURSIVE g(k) AS ("
-        " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' ORDER BY group_key LIMIT 1)"
+        "WITH RECURSIVE g(k, n) AS ("
+        " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' AND group_key > :b_after"
+        " ORDER BY group_key LIMIT 1), 1"
         " UNION ALL"
         " SELECT (SELECT j.group_key FROM jobs j WHERE j.state = 'ready' AND j.group_key > g.k"
-        " ORDER BY j.group_key LIMIT 1) FROM g WHERE g.k IS NOT NULL"
+        " ORDER BY j.group_key LIMIT 1), g.n + 1 FROM g WHERE g.k IS NOT NULL AND g.n < :b_window"
         f") SELECT {hint}k FROM g WHERE k IS NOT NULL"
-    ).columns(k=_NAME)
+    ).bindparams(sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer)).columns(k=_NAME)
 
 
 _Q_READY_GROUPS = _ready_groups()
@@ -2946,6 +2949,48 @@ def _check_rate_limits(limits: Mapping[str, Any] | None) -> dict[str, tuple[int,
     return out
 
 
+#: Where each process's next claim window starts (_GroupScan), per engine and type filter: the
+#: last group key of its previous window. In memory: a cursor in the database would be one more hot row
+#: written by every claim; each process cycling through the groups on its own is enough for
+#: the bound (every group with ready work is in one of a process's windows every G / free
+#: claims).
+_GROUP_CURSORS: weakref.WeakKeyDictionary[Engine, dict[Any, str]] = weakref.WeakKeyDictionary()
+
+
+class _GroupScan:
+    """The groups with ready work in cycle order, from after this process's cursor, wrapping
+    around, each at most once: the claim takes them a window at a time (``take``), each window
+    one bounded skip scan, and leaves the cursor at the last group it took."""
+
+    def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None) -> None:
+        self.conn, self.stmt = conn, _q_ready_groups(d)
+        self.cursors = _GROUP_CURSORS.setdefault(conn.engine, {})
+        self.key = None if types is None else tuple(sorted(types))
+        self.start = self.pos = self.cursors.get(self.key, "")
+        self.wrapped = not self.start  # from the first group: nothing to wrap to
+        self.done = False  # every group with ready work was taken
+
+    def take(self, n: int) -> list[str]:
+        out: list[str] = []
+        while len(out) < n and not self.done:
+            asked = n - len(out)
+            got = list(self.conn.execute(self.stmt, {"b_after": self.pos, "b_window": asked}).scalars())
+            short = len(got) < asked
+            if self.wrapped and self.start and any(g > self.start for g in got):
+                got, short = [g for g in got if g <= self.start], True
+            out += got
+            if got:
+                self.pos = got[-1]
+            if short:
+                if self.wrapped:
+                    self.done = True
+                else:
+                    self.wrapped, self.pos = True, ""
+        if out:
+            self.cursors[self.key] = out[-1]
+        return out
+
+
 def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
     """Take the cap's serialisation point; returns the stored policy counts it carries.
 
@@ -3001,43 +3046,58 @@ def _lease_rows(
     if free <= 0:
         return []
     type_list = list(types) if types is not None else None
-    groups = list(conn.execute(_q_ready_groups(d)).scalars())
-    if not groups:
-        return []
-    policy = _group_policies(conn, groups) if stored[0] else {}
-    caps = dict(group_caps or {})
-    stored_rates: dict[str, tuple[int, float]] = {}
-    if policy:
-        # Stored policy and the worker's own options combine: the stricter cap wins, both rate
-        # limits apply, a stored weight replaces the jobs' weights. Paused groups are skipped.
-        groups = [g for g in groups if g not in policy or not policy[g].paused]
-        for g, p in policy.items():
-            if p.max_in_flight is not None:
-                caps[g] = min(caps.get(g, p.max_in_flight), p.max_in_flight)
-            if p.rate_limit is not None:
-                stored_rates[g] = p.rate_limit
-        if not groups:
-            return []
-    if len(groups) == 1 and not rate_limits and not stored_rates:
-        # One group: nothing to share; its candidates' locking read is bounded by `free`.
-        ready = {groups[0]: (free, 1)}
-    else:
-        ready = {}
-        for chunk in _chunks(groups, 50):
-            ready.update({g: (n, w) for g, n, w in conn.execute(_q_group_counts(chunk, now, type_list, free)) if n})
-    if not ready:
-        return []
-    if policy:
-        weights = {g: p.weight for g, p in policy.items() if p.weight is not None}
-        ready = {g: (n, weights.get(g, w)) for g, (n, w) in ready.items()}
-    if rate_limits or stored_rates:
-        room = _rate_room(conn, now, rate_limits, sorted(ready)) if rate_limits else {}
-        for g, n in (_rate_room(conn, now, stored_rates, sorted(ready)) if stored_rates else {}).items():
-            room[g] = min(room.get(g, n), n)
-        free = min(free, room.pop("*", free))
-        ready = {g: (min(n, room.get(g, n)), w) for g, (n, w) in ready.items()}
+    if rate_limits and "*" in rate_limits:
+        free = min(free, _rate_room(conn, now, {"*": rate_limits["*"]}, [])["*"])
         if free <= 0:
             return []
+    named_rates = {g: r for g, r in (rate_limits or {}).items() if g != "*"}
+    caps = dict(group_caps or {})
+    stored_rates: dict[str, tuple[int, float]] = {}
+    ready: dict[str, tuple[int, float]] = {}
+    scan = _GroupScan(conn, d, type_list)
+    want = free
+    while True:
+        # The claim window: the next groups with ready work, as many as slots are still
+        # wanted; extended past groups that turn out to have nothing runnable now (all
+        # scheduled later, other types, paused, capped or out of rate) until the slots are
+        # covered or every group was looked at.
+        groups = scan.take(want)
+        if not groups:
+            break
+        policy = _group_policies(conn, groups) if stored[0] else {}
+        if policy:
+            # Stored policy and the worker's own options combine: the stricter cap wins, both
+            # rate limits apply, a stored weight replaces the jobs' weights. Paused groups drop.
+            groups = [g for g in groups if g not in policy or not policy[g].paused]
+            for g, p in policy.items():
+                if p.max_in_flight is not None:
+                    caps[g] = min(caps.get(g, p.max_in_flight), p.max_in_flight)
+                if p.rate_limit is not None:
+                    stored_rates[g] = p.rate_limit
+        if groups and scan.done and not ready and len(groups) == 1 and not named_rates and not stored_rates:
+            # One group in all: nothing to share; its candidates' locking read is bounded by `free`.
+            found: dict[str, tuple[int, float]] = {groups[0]: (free, 1)}
+        else:
+            found = {}
+            for chunk in _chunks(groups, 50):
+                found.update({g: (n, w) for g, n, w in conn.execute(_q_group_counts(chunk, now, type_list, free)) if n})
+        weights = {g: p.weight for g, p in policy.items() if p.weight is not None}
+        found = {g: (n, weights.get(g, w)) for g, (n, w) in found.items()}
+        named = {g: r for g, r in named_rates.items() if g in found}
+        own_rates = {g: r for g, r in stored_rates.items() if g in found}
+        if named or own_rates:
+            room = _rate_room(conn, now, named, sorted(named)) if named else {}
+            for g, n in (_rate_room(conn, now, own_rates, sorted(own_rates)) if own_rates else {}).items():
+                room[g] = min(room.get(g, n), n)
+            found = {g: (min(n, room.get(g, n)), w) for g, (n, w) in found.items()}
+        ready.update(found)
+        usable = sum(max(0, min(n, caps[g] - in_flight.get(g, 0)) if g in caps else n) for g, (n, _w) in ready.items())
+        if usable >= free or scan.done:
+            break
+        want = free - usable
+    ready = {g: (n, w) for g, (n, w) in ready.items() if n > 0}
+    if not ready:
+        return []
     last_start = {g: t for g, t in conn.execute(_q_last_starts(sorted(ready)))} if len(ready) > 1 else {}
     rows: list[Any] = []
     exhausted: set[str] = set()
@@ -5032,8 +5092,9 @@ def _format_error(exc: BaseException) -> str:
 # asyncio.sleep. Needs greenlet (``pip install sqlalchemy[asyncio]``) and an async driver
 # (psycopg 3, aiosqlite, aiomysql or asyncmy).
 
-_ASYNC_TWINS = ("cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get", "heartbeat",
-                "prune", "reclaim", "release", "retry", "stats", "submit", "tick", "why")
+_ASYNC_TWINS = ("cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get", "get_group",
+                "groups", "heartbeat", "prune", "reclaim", "release", "retry", "set_group", "stats", "submit", "tick",
+                "why")
 
 
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
