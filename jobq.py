@@ -51,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncWorker",
     "Base",
+    "CLAIM_WINDOW",
     "ClaimedId",
     "ConfigError",
     "EVENT_ACTIONS",
@@ -1443,7 +1444,8 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
     if family in ("mysql", "mariadb"):
         # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
         # statement was rolled back: _transaction rolls back the rest before retrying).
-        # MariaDB's own limit (max_recursive_iterations) is 4 billion and it has no SET_VAR.
+        # MariaDB's own limit (max_recursive_iterations) is 1,000 by default and it has no
+        # SET_VAR: the claim's scans ask for at most 501 groups each (_GroupScan).
         return _Dialect(family, version, returning=family == "mariadb", isolation_stmt=True,
                         now_sql="SELECT UTC_TIMESTAMP(6)", retry_codes=frozenset({1213, 1205}),
                         json_max_depth=32 if family == "mariadb" else None, pad_space=True,
@@ -2949,6 +2951,11 @@ def _check_rate_limits(limits: Mapping[str, Any] | None) -> dict[str, tuple[int,
     return out
 
 
+#: Fewest groups with ready work a claim ranks (when there are that many): the weights hold
+#: between up to this many groups even when a claim has a single free slot; beyond it a claim
+#: ranks max(free, CLAIM_WINDOW) groups, whatever the number of groups.
+CLAIM_WINDOW = 64
+
 #: Where each process's next claim window starts (_GroupScan), per engine and type filter: the
 #: last group key of its previous window. In memory: a cursor in the database would be one more hot row
 #: written by every claim; each process cycling through the groups on its own is enough for
@@ -2960,7 +2967,8 @@ _GROUP_CURSORS: weakref.WeakKeyDictionary[Engine, dict[Any, str]] = weakref.Weak
 class _GroupScan:
     """The groups with ready work in cycle order, from after this process's cursor, wrapping
     around, each at most once: the claim takes them a window at a time (``take``), each window
-    one bounded skip scan, and leaves the cursor at the last group it took."""
+    one bounded skip scan (two when it wraps), and leaves the cursor at the last group it took
+    ("" when it took them all)."""
 
     def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None) -> None:
         self.conn, self.stmt = conn, _q_ready_groups(d)
@@ -2973,11 +2981,15 @@ class _GroupScan:
     def take(self, n: int) -> list[str]:
         out: list[str] = []
         while len(out) < n and not self.done:
-            asked = n - len(out)
-            got = list(self.conn.execute(self.stmt, {"b_after": self.pos, "b_window": asked}).scalars())
-            short = len(got) < asked
+            # At most 500 groups per scan: MariaDB cuts a recursion at max_recursive_iterations
+            # (1,000 by default), and a cut scan would read as the end of the groups.
+            asked = min(n - len(out), 500)
+            # One group more than asked: seeing the end here saves a scan that finds nothing.
+            got = list(self.conn.execute(self.stmt, {"b_after": self.pos, "b_window": asked + 1}).scalars())
             if self.wrapped and self.start and any(g > self.start for g in got):
-                got, short = [g for g in got if g <= self.start], True
+                got = [g for g in got if g <= self.start]
+            short = len(got) <= asked
+            got = got[:asked]
             out += got
             if got:
                 self.pos = got[-1]
@@ -2987,8 +2999,17 @@ class _GroupScan:
                 else:
                     self.wrapped, self.pos = True, ""
         if out:
-            self.cursors[self.key] = out[-1]
+            # Every group taken (done): the next claim starts from the first again, with one
+            # scan instead of a scan after the cursor that finds nothing and a second one.
+            self.cursors[self.key] = "" if self.done else out[-1]
         return out
+
+    def served(self, groups: Iterable[str]) -> None:
+        """The next window starts after the last group (in key order) this claim leased to,
+        so groups of this window that got nothing (idle groups beyond the free slots) are
+        ranked again: that keeps the starvation bound at G - 1 + S slot grants."""
+        if not self.done and self.cursors.get(self.key):
+            self.cursors[self.key] = max(groups)
 
 
 def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
@@ -3055,7 +3076,7 @@ def _lease_rows(
     stored_rates: dict[str, tuple[int, float]] = {}
     ready: dict[str, tuple[int, float]] = {}
     scan = _GroupScan(conn, d, type_list)
-    want = free
+    want = max(free, CLAIM_WINDOW)
     while True:
         # The claim window: the next groups with ready work, as many as slots are still
         # wanted; extended past groups that turn out to have nothing runnable now (all
@@ -3134,6 +3155,7 @@ def _lease_rows(
             break
     if not rows:
         return []
+    scan.served(r.group_key for r in rows)
     token = uuid.uuid4().hex
     expires = now + _dt.timedelta(seconds=ttl)
     ids = [r.id for r in rows]

@@ -20,7 +20,9 @@ def next_window(found: list[str], cursor: str, size: int) -> tuple[list[str], st
     """The claim's window (jobq._GroupScan) when every group has runnable work: the first
     ``size`` of ``found`` (the groups after the cursor, then wrapped), and the next cursor."""
     window = list(found[:size])
-    return sorted(window), (window[-1] if window else cursor)
+    if len(window) < size:  # every group taken: the next window starts from the first
+        return sorted(window), ""
+    return sorted(window), window[-1]
 
 
 def claim_window(groups: list[str], cursor: str, free: int, next_window=next_window) -> tuple[list[str], str]:
@@ -33,7 +35,7 @@ def claim_window(groups: list[str], cursor: str, free: int, next_window=next_win
 
 def simulate(weights: dict[str, int], durations: dict[str, int], slots: int, ticks: int,
              allocate=jobq.allocate, window: bool = False, next_window=next_window,
-             reweigh: dict[int, dict[str, int]] | None = None) -> SimResult:
+             reweigh: dict[int, dict[str, int]] | None = None, window_min: int = jobq.CLAIM_WINDOW) -> SimResult:
     """``window``: rank only the claim's window of groups (as the database claim does);
     ``reweigh``: tick -> new weights from that tick on (set_group at run time)."""
     running: list[tuple[str, int]] = []  # (group, ticks left)
@@ -54,8 +56,12 @@ def simulate(weights: dict[str, int], durations: dict[str, int], slots: int, tic
         free = slots - len(running)
         ranked = order
         if window and free > 0:
-            ranked, cursor = claim_window(order, cursor, free, next_window)
+            ranked, cursor = claim_window(order, cursor, max(free, window_min), next_window)
         out = allocate(free, dict.fromkeys(ranked, 10**6), weights=weights, in_flight=in_flight, last_start=last_start)
+        if window and cursor and out:
+            # the next window starts after the last group served, so groups of this window
+            # that got nothing are ranked again (jobq._GroupScan.served)
+            cursor = max(out)
         for g in weights:  # every group stays backlogged
             if in_flight[g] == 0 and g not in out:
                 passed_over[g] += sum(out.values())
