@@ -54,10 +54,12 @@ __all__ = [
     "AsyncWorker",
     "AttemptInfo",
     "Base",
+    "CLAIM_WINDOW",
     "ClaimedId",
     "ConfigError",
     "EVENT_ACTIONS",
     "Event",
+    "GroupPolicy",
     "InvalidJob",
     "Job",
     "JobContext",
@@ -76,6 +78,7 @@ __all__ = [
     "STATES",
     "TERMINAL",
     "TX_RETRIES",
+    "UNLIMITED",
     "UnsupportedDatabase",
     "Worker",
     "WorkerOptions",
@@ -92,6 +95,8 @@ __all__ = [
     "fair_share",
     "finalize",
     "get",
+    "get_group",
+    "groups",
     "heartbeat",
     "main",
     "prune",
@@ -99,6 +104,7 @@ __all__ = [
     "reclaim",
     "release",
     "retry",
+    "set_group",
     "stats",
     "submit",
     "tick",
@@ -452,6 +458,25 @@ _attempts = sa.Table(
     mariadb_engine="InnoDB",
 )
 
+# Group policy stored with set_group (issue 14): one row per group someone configured. NULL
+# means "not set" (weight: the jobs' own; cap, rate: none). The claim reads the rows of the
+# groups it ranks, under the claim lock when any row limits (cap, rate, pause); the claim_lock
+# row's value counts the rows and the limiting ones (_policy_counts), so a queue that stores
+# no policy reads none.
+_groups = sa.Table(
+    "jobq_groups",
+    Base.metadata,
+    sa.Column("group_key", _NAME, primary_key=True),
+    sa.Column("weight", sa.Integer, nullable=True),
+    sa.Column("max_in_flight", sa.Integer, nullable=True),
+    sa.Column("rate_n", sa.Integer, nullable=True),
+    sa.Column("rate_period", sa.Float, nullable=True),
+    sa.Column("paused", sa.Boolean, nullable=False),
+    sa.Column("updated_at", _TS, nullable=False),
+    mysql_engine="InnoDB",
+    mariadb_engine="InnoDB",
+)
+
 #: How an attempt ended, as :func:`attempts` reports it: ``done``; ``failed`` (the handler
 #: raised or its result was refused); ``timeout`` (the dispatch timeout fired); ``reclaimed``
 #: (its lease expired: the worker died, stalled or lost the database); ``released`` (given
@@ -653,19 +678,22 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
     return stmt.order_by(*_CLAIM_ORDER)
 
 
-# The distinct groups with ready jobs, by a skip scan of the ready index: one index probe per
-# group, however many jobs each group has ready (a GROUP BY would read the whole ready set).
+# The next groups with ready jobs after a group key (b_after; "" from the start), at most
+# b_window of them, by a skip scan of the ready index: one index probe per group, however many
+# jobs each group has ready (a GROUP BY would read the whole ready set), and never more probes
+# than the window, however many groups have ready work (the claim's window: _GroupScan).
 # Neither run_after nor the types are checked here; _q_group_counts does, per group, bounded.
 # One recursion level per group: `hint` lifts a recursion limit where the engine has one.
 def _ready_groups(hint: str = "") -> sa.TextualSelect:
     return sa.text(
-        "WITH RECURSIVE g(k) AS ("
-        " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' ORDER BY group_key LIMIT 1)"
+        "WITH RECURSIVE g(k, n) AS ("
+        " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' AND group_key > :b_after"
+        " ORDER BY group_key LIMIT 1), 1"
         " UNION ALL"
         " SELECT (SELECT j.group_key FROM jobs j WHERE j.state = 'ready' AND j.group_key > g.k"
-        " ORDER BY j.group_key LIMIT 1) FROM g WHERE g.k IS NOT NULL"
+        " ORDER BY j.group_key LIMIT 1), g.n + 1 FROM g WHERE g.k IS NOT NULL AND g.n < :b_window"
         f") SELECT {hint}k FROM g WHERE k IS NOT NULL"
-    ).columns(k=_NAME)
+    ).bindparams(sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer)).columns(k=_NAME)
 
 
 _Q_READY_GROUPS = _ready_groups()
@@ -759,6 +787,25 @@ def _q_starts_by_group(since: _dt.datetime) -> sa.Select[Any]:
     """Jobs started per group since ``since``, every group (the dashboard's served share)."""
     return (sa.select(_starts.c.group_key, sa.func.coalesce(sa.func.sum(_starts.c.n), 0))
             .where(_starts.c.started_at > since).group_by(_starts.c.group_key))
+
+
+# ---- group policy (set_group, get_group, groups; the claim reads it) ---------------------------
+
+
+def _q_group_policies(keys: Sequence[str]) -> sa.Select[Any]:
+    return sa.select(_groups).where(_groups.c.group_key.in_(keys))
+
+
+_Q_ALL_GROUP_POLICIES = sa.select(_groups).order_by(_groups.c.group_key)
+_Q_INSERT_GROUP = sa.insert(_groups)
+_Q_UPDATE_GROUP = (
+    sa.update(_groups)
+    .where(_groups.c.group_key == sa.bindparam("b_key", type_=_NAME))
+    .values(weight=sa.bindparam("weight"), max_in_flight=sa.bindparam("max_in_flight"),
+            rate_n=sa.bindparam("rate_n"), rate_period=sa.bindparam("rate_period"),
+            paused=sa.bindparam("paused"), updated_at=sa.bindparam("updated_at"))
+)
+_Q_GROUP_IN_FLIGHT = sa.select(sa.func.count()).where(_c.in_flight == _TRUE, _c.group_key == sa.bindparam("b_key", type_=_NAME))
 
 
 # ---- builders for get, why, stats and the command line
@@ -1191,7 +1238,13 @@ def _q_lease(d: _Dialect) -> sa.Update:
 
 
 _Q_LOG_STARTS = sa.insert(_starts)
-_Q_LOCK_CLAIM = sa.select(_meta.c.key).where(_meta.c.key == _CLAIM_LOCK_KEY)
+_Q_LOCK_CLAIM = sa.select(_meta.c.key, _meta.c.value).where(_meta.c.key == _CLAIM_LOCK_KEY)
+# The claim_lock row's value without the lock: a claim without caps of its own reads it to learn
+# whether stored policy limits any group (then it takes the lock after all).
+_Q_CLAIM_LOCK_VALUE = sa.select(_meta.c.value).where(_meta.c.key == _CLAIM_LOCK_KEY)
+_Q_SET_CLAIM_LOCK_VALUE = (
+    sa.update(_meta).where(_meta.c.key == _CLAIM_LOCK_KEY).values(value=sa.bindparam("b_value", type_=sa.String(200)))
+)
 
 
 def _q_lock_claim(d: _Dialect) -> sa.Select[Any]:
@@ -1705,7 +1758,8 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
     if family in ("mysql", "mariadb"):
         # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
         # statement was rolled back: _transaction rolls back the rest before retrying).
-        # MariaDB's own limit (max_recursive_iterations) is 4 billion and it has no SET_VAR.
+        # MariaDB's own limit (max_recursive_iterations) is 1,000 by default and it has no
+        # SET_VAR: the claim's scans ask for at most 501 groups each (_GroupScan).
         return _Dialect(family, version, returning=family == "mariadb", isolation_stmt=True,
                         now_sql="SELECT UTC_TIMESTAMP(6)", retry_codes=frozenset({1213, 1205}),
                         json_max_depth=32 if family == "mariadb" else None, pad_space=True,
@@ -3171,6 +3225,203 @@ def _target_connection(target: Connection | orm.Session) -> Connection:
     return target.connection() if isinstance(target, orm.Session) else target
 
 
+# ---- group policy: what claims obey, stored with set_group ------------------------------------
+
+
+class _Unlimited:
+    """The type of :data:`UNLIMITED`."""
+
+    def __repr__(self) -> str:
+        return "jobq.UNLIMITED"
+
+
+#: Pass as ``max_in_flight`` or ``rate_limit`` to :func:`set_group` to remove that limit.
+UNLIMITED: Any = _Unlimited()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPolicy:
+    """A group's stored policy (:func:`set_group`); None means "not set".
+
+    Attributes:
+        group_key: the group.
+        weight: its fair-share weight (None: the largest weight among its next runnable jobs).
+        max_in_flight: most of its jobs leased or running at once, across every worker.
+        rate_limit: (starts, per_seconds): most job starts in any window of that length.
+        paused: its ready jobs are not claimed (its running jobs finish).
+        updated_at: when it was last set (aware UTC, the database's clock).
+    """
+
+    group_key: str
+    weight: int | None
+    max_in_flight: int | None
+    rate_limit: tuple[int, float] | None
+    paused: bool
+    updated_at: _dt.datetime
+
+    @property
+    def limits(self) -> bool:
+        """Whether it holds claims back at all (cap, rate or pause): such groups make every
+        claim take the claim lock."""
+        return self.paused or self.max_in_flight is not None or self.rate_limit is not None
+
+
+def _policy_of(row: Any) -> GroupPolicy:
+    rate = None if row.rate_n is None else (int(row.rate_n), float(row.rate_period))
+    return GroupPolicy(group_key=row.group_key, weight=row.weight, max_in_flight=row.max_in_flight, rate_limit=rate,
+                       paused=bool(row.paused), updated_at=row.updated_at.replace(tzinfo=_dt.timezone.utc))
+
+
+def _policy_counts(value: str | None) -> tuple[int, int]:
+    """The claim_lock row's value: (stored policy rows, rows that limit); "" before any."""
+    if not value:
+        return 0, 0
+    rows, _, limited = value.partition(" ")
+    return int(rows), int(limited or 0)
+
+
+def _check_rate_spec(value: Any, what: str) -> tuple[int, float]:
+    """A rate limit as (starts, per_seconds) or the text "N/PERIOD" (10/1m, 5/30s, 100/1h)."""
+    if isinstance(value, str):
+        text = value
+        count, slash, per = text.partition("/")
+        try:  # _seconds: the command line's duration parser (a forward reach at run time only)
+            if not slash:
+                raise ValueError(text)
+            value = (int(count), _seconds(per, what, unit=False, zero=False))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{what} must look like N/PERIOD (10/1m, 5/30s), got {text!r}") from None
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise ConfigError(f"{what} must be (starts, per_seconds) or 'N/PERIOD', got {value!r}")
+    n = _check_int(value[0], f"{what} starts", 1, 1_000_000, ConfigError)
+    period = _check_seconds(value[1], f"{what} period", ConfigError, optional=False)
+    assert period is not None
+    if period > START_LOG_RETENTION.total_seconds():
+        raise ConfigError(f"{what} period is longer than START_LOG_RETENTION")
+    return n, float(period)
+
+
+def set_group(
+    target: Engine | Connection | orm.Session,
+    group_key: str,
+    *,
+    weight: int | None = None,
+    max_in_flight: Any = None,
+    rate_limit: Any = None,
+    paused: bool | None = None,
+) -> GroupPolicy:
+    """Store a group's fair-share policy in the database, where every claim reads it.
+
+    Options left as None keep their stored value; a group never set has none. Takes effect at
+    the next claim that starts after the change commits, on every worker: the change is made
+    under the claim lock, and claims read it under the same lock, so a lowered cap is never
+    overspent by a later claim (jobs already running finish).
+
+    Args:
+        target: an Engine (jobq commits its own transaction) or a Connection/Session (written
+            in the caller's transaction, in effect once the caller commits).
+        group_key: the group (a tenant, customer, API key).
+        weight: fair-share weight (int >= 1); it replaces the per-job weights of this group.
+        max_in_flight: most jobs of this group leased or running at once (int >= 1), or
+            :data:`UNLIMITED`. A worker's ``group_caps`` may be stricter: the smaller cap wins.
+        rate_limit: (starts, per_seconds) or "N/PERIOD" ("10/1m"): most starts in any window,
+            or :data:`UNLIMITED`. A worker's ``rate_limits`` apply as well.
+        paused: True: its ready jobs are not claimed; False: resume.
+
+    Returns:
+        The group's policy as stored.
+
+    Raises:
+        ConfigError: a bad value; nothing is written.
+    """
+    key = _check_name(group_key, "group_key")
+    new: dict[str, Any] = {}
+    if weight is not None:
+        new["weight"] = _check_int(weight, "weight", 1, 1_000_000, ConfigError)
+    if max_in_flight is UNLIMITED:
+        new["max_in_flight"] = None
+    elif max_in_flight is not None:
+        new["max_in_flight"] = _check_int(max_in_flight, "max_in_flight", 1, 100_000, ConfigError)
+    if rate_limit is UNLIMITED:
+        new["rate_n"] = new["rate_period"] = None
+    elif rate_limit is not None:
+        new["rate_n"], new["rate_period"] = _check_rate_spec(rate_limit, "rate_limit")
+    if paused is not None:
+        if not isinstance(paused, bool):
+            raise ConfigError(f"paused must be True or False, got {paused!r}")
+        new["paused"] = paused
+
+    def run(conn: Connection, d: _Dialect) -> GroupPolicy:
+        lock = conn.execute(_q_lock_claim(d)).first()  # serialised with every claim that obeys policy
+        if lock is None:
+            raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
+        rows, limited = _policy_counts(lock.value)
+        old = conn.execute(_q_group_policies([key])).first()
+        now = d.db_now(conn)
+        if old is None:
+            values: dict[str, Any] = {"weight": None, "max_in_flight": None, "rate_n": None, "rate_period": None,
+                                      "paused": False}
+            values.update(new, group_key=key, updated_at=now)
+            conn.execute(_Q_INSERT_GROUP, values)
+            rows += 1
+        else:
+            values = {k: getattr(old, k) for k in ("weight", "max_in_flight", "rate_n", "rate_period", "paused")}
+            values.update(new, updated_at=now)
+            conn.execute(_Q_UPDATE_GROUP, {**values, "b_key": key})
+            limited -= _policy_of(old).limits
+            values["group_key"] = key
+        rate = None if values["rate_n"] is None else (int(values["rate_n"]), float(values["rate_period"]))
+        policy = GroupPolicy(group_key=key, weight=values["weight"], max_in_flight=values["max_in_flight"],
+                             rate_limit=rate, paused=bool(values["paused"]), updated_at=now.replace(tzinfo=_dt.timezone.utc))
+        limited += policy.limits
+        conn.execute(_Q_SET_CLAIM_LOCK_VALUE, {"b_value": f"{rows} {limited}"})
+        return policy
+
+    if isinstance(target, Engine):
+        return _transaction(target, run)
+    return run(_target_connection(target), _prepare(_engine_of(target)))  # type: ignore[arg-type]
+
+
+def get_group(engine: Engine | Connection | orm.Session, group_key: str) -> GroupPolicy | None:
+    """A group's stored policy, or None when :func:`set_group` never stored one.
+
+    Args:
+        engine: an Engine, or a Connection/Session to read in the caller's transaction.
+        group_key: the group.
+    """
+    key = _check_name(group_key, "group_key")
+    rows = _read(engine, lambda conn: conn.execute(_q_group_policies([key])).all())
+    return _policy_of(rows[0]) if rows else None
+
+
+def groups(engine: Engine | Connection | orm.Session) -> list[GroupPolicy]:
+    """Every stored group policy, by group key.
+
+    Args:
+        engine: an Engine, or a Connection/Session to read in the caller's transaction.
+    """
+    return [_policy_of(r) for r in _read(engine, lambda conn: conn.execute(_Q_ALL_GROUP_POLICIES).all())]
+
+
+def _read(target: Engine | Connection | orm.Session, fn: Callable[[Connection], _T]) -> _T:
+    if isinstance(target, Engine):
+        _prepare(target)
+        with target.connect() as conn:
+            try:
+                return fn(conn)
+            finally:
+                conn.rollback()
+    return fn(_target_connection(target))  # type: ignore[arg-type]
+
+
+def _group_policies(conn: Connection, keys: Sequence[str]) -> dict[str, GroupPolicy]:
+    """The stored policies of these groups (the claim's read, in its transaction)."""
+    out: dict[str, GroupPolicy] = {}
+    for chunk in _chunks(list(keys), 500):
+        out.update({r.group_key: _policy_of(r) for r in conn.execute(_q_group_policies(chunk))})
+    return out
+
+
 # ---- claim ------------------------------------------------------------------------------------
 
 
@@ -3218,6 +3469,79 @@ def _check_rate_limits(limits: Mapping[str, Any] | None) -> dict[str, tuple[int,
     return out
 
 
+#: Fewest groups with ready work a claim ranks (when there are that many): the weights hold
+#: between up to this many groups even when a claim has a single free slot; beyond it a claim
+#: ranks max(free, CLAIM_WINDOW) groups, whatever the number of groups.
+CLAIM_WINDOW = 64
+
+#: Where each process's next claim window starts (_GroupScan), per engine and type filter: the
+#: last group key of its previous window. In memory: a cursor in the database would be one more hot row
+#: written by every claim; each process cycling through the groups on its own is enough for
+#: the bound (every group with ready work is in one of a process's windows every G / free
+#: claims).
+_GROUP_CURSORS: weakref.WeakKeyDictionary[Engine, dict[Any, str]] = weakref.WeakKeyDictionary()
+
+
+class _GroupScan:
+    """The groups with ready work in cycle order, from after this process's cursor, wrapping
+    around, each at most once: the claim takes them a window at a time (``take``), each window
+    one bounded skip scan (two when it wraps), and leaves the cursor at the last group it took
+    ("" when it took them all)."""
+
+    def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None) -> None:
+        self.conn, self.stmt = conn, _q_ready_groups(d)
+        self.cursors = _GROUP_CURSORS.setdefault(conn.engine, {})
+        self.key = None if types is None else tuple(sorted(types))
+        self.start = self.pos = self.cursors.get(self.key, "")
+        self.wrapped = not self.start  # from the first group: nothing to wrap to
+        self.done = False  # every group with ready work was taken
+
+    def take(self, n: int) -> list[str]:
+        out: list[str] = []
+        while len(out) < n and not self.done:
+            # At most 500 groups per scan: MariaDB cuts a recursion at max_recursive_iterations
+            # (1,000 by default), and a cut scan would read as the end of the groups.
+            asked = min(n - len(out), 500)
+            # One group more than asked: seeing the end here saves a scan that finds nothing.
+            got = list(self.conn.execute(self.stmt, {"b_after": self.pos, "b_window": asked + 1}).scalars())
+            if self.wrapped and self.start and any(g > self.start for g in got):
+                got = [g for g in got if g <= self.start]
+            short = len(got) <= asked
+            got = got[:asked]
+            out += got
+            if got:
+                self.pos = got[-1]
+            if short:
+                if self.wrapped:
+                    self.done = True
+                else:
+                    self.wrapped, self.pos = True, ""
+        if out:
+            # Every group taken (done): the next claim starts from the first again, with one
+            # scan instead of a scan after the cursor that finds nothing and a second one.
+            self.cursors[self.key] = "" if self.done else out[-1]
+        return out
+
+    def served(self, groups: Iterable[str]) -> None:
+        """The next window starts after the last group (in key order) this claim leased to,
+        so groups of this window that got nothing (idle groups beyond the free slots) are
+        ranked again: that keeps the starvation bound at G - 1 + S slot grants."""
+        if not self.done and self.cursors.get(self.key):
+            self.cursors[self.key] = max(groups)
+
+
+def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
+    """Take the cap's serialisation point; returns the stored policy counts it carries.
+
+    SKIP LOCKED alone lets two claimers skip each other's rows and both spend the last free
+    slot; this row lock (or SQLite's write lock) makes counting and leasing one atomic step.
+    set_group takes it too, so a claim reads a group's policy as of its last change."""
+    lock = conn.execute(_q_lock_claim(d)).first()
+    if lock is None:
+        raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
+    return _policy_counts(lock.value)
+
+
 def _lease_rows(
     conn: Connection,
     d: _Dialect,
@@ -3243,13 +3567,16 @@ def _lease_rows(
     d.pin_index_plans(conn)
     in_flight: dict[str, int] = {}
     if max_in_flight is not None or group_caps or rate_limits:
-        # The cap's serialisation point. SKIP LOCKED alone lets two claimers skip each other's
-        # rows and both spend the last free slot; this row lock (or SQLite's write lock) makes
-        # counting and leasing one atomic step.
-        lock = conn.execute(_q_lock_claim(d)).first()
-        if lock is None:
-            raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
-        if fresh_now and rate_limits:
+        stored = _lock_claim(conn, d)
+    else:
+        # No limits of its own: the claim locks only if stored policy limits some group. (A
+        # claim that read "none" just before set_group stored the first limit still runs
+        # unlocked: set_group's change counts from the claims that start after it.)
+        stored = _policy_counts(conn.execute(_Q_CLAIM_LOCK_VALUE).scalar())
+        if stored[1]:
+            stored = _lock_claim(conn, d)
+    if max_in_flight is not None or group_caps or rate_limits or stored[1]:
+        if fresh_now and (rate_limits or stored[1]):
             now = d.db_now(conn)
         in_flight = _in_flight_counts(conn, now)
     free = limit
@@ -3258,24 +3585,58 @@ def _lease_rows(
     if free <= 0:
         return []
     type_list = list(types) if types is not None else None
-    groups = list(conn.execute(_q_ready_groups(d)).scalars())
-    if not groups:
-        return []
-    if len(groups) == 1 and not rate_limits:
-        # One group: nothing to share; its candidates' locking read is bounded by `free`.
-        ready = {groups[0]: (free, 1)}
-    else:
-        ready = {}
-        for chunk in _chunks(groups, 50):
-            ready.update({g: (n, w) for g, n, w in conn.execute(_q_group_counts(chunk, now, type_list, free)) if n})
-    if not ready:
-        return []
-    if rate_limits:
-        room = _rate_room(conn, now, rate_limits, sorted(ready))
-        free = min(free, room.pop("*", free))
-        ready = {g: (min(n, room.get(g, n)), w) for g, (n, w) in ready.items()}
+    if rate_limits and "*" in rate_limits:
+        free = min(free, _rate_room(conn, now, {"*": rate_limits["*"]}, [])["*"])
         if free <= 0:
             return []
+    named_rates = {g: r for g, r in (rate_limits or {}).items() if g != "*"}
+    caps = dict(group_caps or {})
+    stored_rates: dict[str, tuple[int, float]] = {}
+    ready: dict[str, tuple[int, float]] = {}
+    scan = _GroupScan(conn, d, type_list)
+    want = max(free, CLAIM_WINDOW)
+    while True:
+        # The claim window: the next groups with ready work, as many as slots are still
+        # wanted; extended past groups that turn out to have nothing runnable now (all
+        # scheduled later, other types, paused, capped or out of rate) until the slots are
+        # covered or every group was looked at.
+        groups = scan.take(want)
+        if not groups:
+            break
+        policy = _group_policies(conn, groups) if stored[0] else {}
+        if policy:
+            # Stored policy and the worker's own options combine: the stricter cap wins, both
+            # rate limits apply, a stored weight replaces the jobs' weights. Paused groups drop.
+            groups = [g for g in groups if g not in policy or not policy[g].paused]
+            for g, p in policy.items():
+                if p.max_in_flight is not None:
+                    caps[g] = min(caps.get(g, p.max_in_flight), p.max_in_flight)
+                if p.rate_limit is not None:
+                    stored_rates[g] = p.rate_limit
+        if groups and scan.done and not ready and len(groups) == 1 and not named_rates and not stored_rates:
+            # One group in all: nothing to share; its candidates' locking read is bounded by `free`.
+            found: dict[str, tuple[int, float]] = {groups[0]: (free, 1)}
+        else:
+            found = {}
+            for chunk in _chunks(groups, 50):
+                found.update({g: (n, w) for g, n, w in conn.execute(_q_group_counts(chunk, now, type_list, free)) if n})
+        weights = {g: p.weight for g, p in policy.items() if p.weight is not None}
+        found = {g: (n, weights.get(g, w)) for g, (n, w) in found.items()}
+        named = {g: r for g, r in named_rates.items() if g in found}
+        own_rates = {g: r for g, r in stored_rates.items() if g in found}
+        if named or own_rates:
+            room = _rate_room(conn, now, named, sorted(named)) if named else {}
+            for g, n in (_rate_room(conn, now, own_rates, sorted(own_rates)) if own_rates else {}).items():
+                room[g] = min(room.get(g, n), n)
+            found = {g: (min(n, room.get(g, n)), w) for g, (n, w) in found.items()}
+        ready.update(found)
+        usable = sum(max(0, min(n, caps[g] - in_flight.get(g, 0)) if g in caps else n) for g, (n, _w) in ready.items())
+        if usable >= free or scan.done:
+            break
+        want = free - usable
+    ready = {g: (n, w) for g, (n, w) in ready.items() if n > 0}
+    if not ready:
+        return []
     last_start = {g: t for g, t in conn.execute(_q_last_starts(sorted(ready)))} if len(ready) > 1 else {}
     rows: list[Any] = []
     exhausted: set[str] = set()
@@ -3291,7 +3652,7 @@ def _lease_rows(
             {g: n - took.get(g, 0) for g, (n, _w) in ready.items() if g not in exhausted and n > took.get(g, 0)},
             weights={g: w for g, (_n, w) in ready.items()},
             in_flight=in_flight,
-            caps=group_caps,
+            caps=caps,
             last_start=last_start,
         )
         if not counts:
@@ -3312,6 +3673,7 @@ def _lease_rows(
             break
     if not rows:
         return []
+    scan.served(r.group_key for r in rows)
     token = uuid.uuid4().hex
     expires = now + _dt.timedelta(seconds=ttl)
     ids = [r.id for r in rows]
@@ -4101,9 +4463,10 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
     Covers: finished (and how), leased/running (by whom, until when), waiting on upstreams
     (which, in what state), waiting on an enclosing container's upstreams, a container's
     unfinished children, scheduled for later (backing off, or a ``run_after`` in the future),
-    and due jobs waiting for a worker: caps and fair-share turns live in the workers' options,
-    so it reports what the queue knows: the due jobs ahead of it in its group, how many jobs
-    are in flight, in its group and overall, and by which workers. Times are ISO 8601 UTC.
+    due jobs held back by their group's stored policy (paused, at its cap, its rate limit
+    spent), and due jobs waiting for a worker: a worker's own caps and fair-share turns are not
+    stored, so it reports what the queue knows: the due jobs ahead of it in its group, how many
+    jobs are in flight, in its group and overall, and by which workers. Times are ISO 8601 UTC.
     """
     job_id = _as_id(job_id, "job_id")
     d = _prepare(engine)
@@ -4158,12 +4521,32 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         mine = sum(n for _, g, n in holders if g == r.group_key)
         ahead = conn.execute(_q_ahead_in_group(r.group_key, r.priority, r.run_after, r.id, t)).scalar_one()
         owners = sorted({o for o, _, _ in holders if o})
+        policy = _group_policies(conn, [r.group_key]).get(r.group_key) if _policy_counts(
+            conn.execute(_Q_CLAIM_LOCK_VALUE).scalar())[0] else None
+        if policy is not None:
+            held = _policy_hold(conn, policy, mine, t)
+            if held:
+                return f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, not claimed: {held}"
         return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker"
                 + (f" (attempt {last.attempt} ended: {last.outcome})" if last is not None else "") + ": "
                 f"{ahead} due job(s) ahead of it in its group (by priority, then age); "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
                    ": no worker is running jobs; is a worker with a handler for this type up?") + note)
+
+
+def _policy_hold(conn: Connection, p: GroupPolicy, in_flight: int, now: _dt.datetime) -> str:
+    """What in its group's stored policy holds a due job back now ("" if nothing does)."""
+    if p.paused:
+        return f"its group is paused (resume it with: jobq group {p.group_key} --resume)"
+    if p.max_in_flight is not None and in_flight >= p.max_in_flight:
+        return f"its group is at its cap: {in_flight} of {p.max_in_flight} job(s) in flight"
+    if p.rate_limit is not None:
+        n, period = p.rate_limit
+        used = _rate_room(conn, now, {p.group_key: p.rate_limit}, [p.group_key])[p.group_key]
+        if used <= 0:
+            return f"its group's rate limit is spent: {n} start(s) in the last {_span(period)}"
+    return ""
 
 
 # ---- tick and stats ---------------------------------------------------------------------------
@@ -5591,7 +5974,8 @@ def _format_error(exc: BaseException) -> str:
 # (psycopg 3, aiosqlite, aiomysql or asyncmy).
 
 _ASYNC_TWINS = ("attempts", "cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get",
-                "heartbeat", "prune", "reclaim", "release", "retry", "stats", "submit", "tick", "why")
+                "get_group", "groups", "heartbeat", "prune", "reclaim", "release", "retry", "set_group", "stats",
+                "submit", "tick", "why")
 
 
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
@@ -5973,6 +6357,13 @@ def _token(text: str) -> str:
     return text
 
 
+def _limit_or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An option's value, or UNLIMITED for "none" (jobq group --cap none)."""
+    def parse_limit(text: str) -> Any:
+        return UNLIMITED if text.strip().lower() == "none" else parse(text)
+    return parse_limit
+
+
 def _cap(text: str) -> tuple[str, int]:
     group, eq, n = text.rpartition("=")
     if not eq or not group:
@@ -6064,6 +6455,8 @@ def _check_database(engine: Engine, command: str) -> None:
         inspector = sa.inspect(conn)
         if not (inspector.has_table("jobs") and inspector.has_table("jobq_meta")):
             raise _CliError("no jobq schema here: run `jobq init`", _EXIT_DATABASE)
+        if command in ("group", "groups") and not inspector.has_table("jobq_groups"):
+            raise _CliError("this database has no jobq_groups table yet: run `jobq init`", _EXIT_DATABASE)
         found = conn.execute(_q_schema_version()).scalar()
         conn.rollback()
     version = int(found) if found is not None and str(found).isdigit() else 0
@@ -6195,6 +6588,13 @@ def _progress_text(p: Any) -> str:
     return text + (f": {message}" if message else "")
 
 
+def _policy_text(p: GroupPolicy) -> str:
+    rate = "none" if p.rate_limit is None else f"{p.rate_limit[0]}/{p.rate_limit[1]:g}s"
+    weight = "from its jobs" if p.weight is None else p.weight
+    cap = "none" if p.max_in_flight is None else p.max_in_flight
+    return f"group {p.group_key}: weight {weight}, cap {cap}, rate {rate}{', PAUSED' if p.paused else ''}"
+
+
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
     states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
@@ -6266,6 +6666,16 @@ def _parser() -> argparse.ArgumentParser:
                        ("retry", "retry a failed or cancelled job (and re-open what it closed)"),
                        ("cancel", "cancel a job, or a container with its subtree")):
         add(name, text).add_argument("id", type=_job_id)
+    p = add("group", "show a group's stored policy, or change it (weight, cap, rate, pause) for every worker")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("--weight", type=_count, help="fair-share weight (int >= 1)")
+    p.add_argument("--cap", type=_limit_or_none(_count), metavar="N|none", help="most jobs in flight; none: no cap")
+    p.add_argument("--rate", type=_limit_or_none(str), metavar="N/PERIOD|none",
+                   help="most N starts per PERIOD (10/1m, 5/30s); none: no rate limit")
+    pause = p.add_mutually_exclusive_group()
+    pause.add_argument("--pause", dest="paused", action="store_const", const=True, help="claim none of its ready jobs")
+    pause.add_argument("--resume", dest="paused", action="store_const", const=False, help="claim them again")
+    add("groups", "every group's stored policy")
     p = add("prune", "delete finished jobs older than a duration")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
@@ -6406,11 +6816,15 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
             with engine.connect() as conn:  # running jobs that report progress (the first 20)
                 running = [dict(r._mapping) for r in conn.execute(_q_running_progress(20))]
                 conn.rollback()
+            policies = groups(engine) if sa.inspect(engine).has_table("jobq_groups") else []
             if ns.json:
-                out = json.dumps({**st, "progress": running}, default=_json_default, sort_keys=True)
+                out = json.dumps({**st, "progress": running, "group_policy": [dataclasses.asdict(p) for p in policies]},
+                                 default=_json_default, sort_keys=True)
             else:
                 out = _status_text(st) + "".join(
                     f"\n  job {r['id']} ({r['type']}, group {r['group_key']}): {_progress_text(r['progress'])}" for r in running)
+                out += "".join(f"\n{_policy_text(p)}" for p in policies[:50])
+                out += f"\n... and {len(policies) - 50} more stored group policies (jobq groups)" if len(policies) > 50 else ""
             if not ns.watch:
                 print(out)
                 break
@@ -6462,6 +6876,23 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
             _print_json({"id": ns.id, "reopened": outcome}) if ns.json else print("re-opened: " + " ".join(map(str, outcome)))
         else:
             _print_json({"id": ns.id, "state": outcome}) if ns.json else print(f"job {ns.id}: {outcome}")
+    elif cmd in ("group", "groups"):
+        if cmd == "groups":
+            policies = groups(engine)
+        elif ns.weight is None and ns.cap is None and ns.rate is None and ns.paused is None:
+            found = get_group(engine, ns.key)
+            if found is None:
+                print(f"group {ns.key}: no stored policy (weight from its jobs, no cap, no rate limit)")
+                return 0
+            policies = [found]
+        else:
+            policies = [set_group(engine, ns.key, weight=ns.weight, max_in_flight=ns.cap, rate_limit=ns.rate,
+                                  paused=ns.paused)]
+        if ns.json:
+            _print_json([dataclasses.asdict(p) for p in policies] if cmd == "groups" else dataclasses.asdict(policies[0]))
+        else:
+            for p in policies:
+                print(_policy_text(p))
     elif cmd == "prune":
         n = prune(engine, ns.older_than, states=tuple(ns.state or ("done",)))
         _print_json({"deleted": n}) if ns.json else print(f"deleted {n} job(s)")

@@ -148,10 +148,12 @@ def _group_rows(engine: sa.Engine, st: Mapping[str, Any]) -> list[dict[str, Any]
     rows = []
     for g in sorted(names):
         pol = policies.get(g, {})
+        rate = pol.get("rate_limit")
         rows.append({
-            "group": g, "weight": pol.get("weight", weights.get(g)), "ready": st["ready_by_group"].get(g, 0),
-            "due": st["due_by_group"].get(g, 0), "in_flight": st["in_flight"].get(g, 0), "cap": pol.get("cap"),
-            "rate": pol.get("rate"), "paused": pol.get("paused"), "starts_last_hour": starts.get(g, 0),
+            "group": g, "weight": pol.get("weight") or weights.get(g), "ready": st["ready_by_group"].get(g, 0),
+            "due": st["due_by_group"].get(g, 0), "in_flight": st["in_flight"].get(g, 0), "cap": pol.get("max_in_flight"),
+            "rate": f"{rate[0]}/{rate[1]:g}s" if rate else None, "paused": pol.get("paused"),
+            "starts_last_hour": starts.get(g, 0),
         })
     busy = [r for r in rows if r["due"] or r["in_flight"]]
     total_w = sum(r["weight"] or 1 for r in busy)
@@ -843,9 +845,9 @@ class Dashboard:
                          _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]), _num(g["rate"]), _num(g["paused"]),
                          _e(g["starts_last_hour"]), _share(g["served_share"]), _share(g["weight_share"])]
                         + ([button] if can_act else []))
-        note = ("" if d["policy_stored"] else
-                '<p class="muted" id="policy-note">Group policy (caps, rates, pausing) is not stored in this database: '
-                "it is set by each worker's options (<code>--cap</code>, <code>--rate</code>).</p>")
+        note = ('<p class="muted" id="policy-note">Weight, cap, rate and pause are stored per group with '
+                "<code>jobq group KEY</code> (<code>jobq.set_group</code>); a worker's own <code>--cap</code> and "
+                "<code>--rate</code> apply too, and the stricter limit wins.</p>")
         table = _table(["group", "weight", "due", "ready", "in flight", "cap", "rate", "paused", "starts (1h)",
                         "served share", "weight share"] + (["action"] if can_act else []), rows, "groups")
         return f"<h1>Groups</h1>{note}{table}"

@@ -231,7 +231,7 @@ def main() -> None:
     ap.add_argument("--done-rows", type=int, default=1_000_000)
     ap.add_argument("--blocked-rows", type=int, default=100_000)
     ap.add_argument("--rss-jobs", default="10000,100000", help="two job counts for the worker RSS comparison")
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}, or groups")
     ns = ap.parse_args()
     only = set(ns.only.split(","))
     url = ns.url or f"sqlite:///{tempfile.mkdtemp(prefix='jobq-bench-')}/bench.db"
@@ -312,6 +312,10 @@ def main() -> None:
         _, rss_big, _ = jobq_drain(url, 1, ns.concurrency)
         rows.append((f"worker peak RSS after {small:,} / {big:,} jobs",
                      f"{rss_small / 1024:.0f} / {rss_big / 1024:.0f} MiB ({rss_big / rss_small - 1:+.0%})"))
+
+    if "groups" in only:  # not in the default sections: bench/groups.py
+        from groups import groups_rows
+        rows.extend(groups_rows(url))
 
     print()
     width = max(len(a) for a, _ in rows)

@@ -207,6 +207,8 @@ def wipe(engine: sa.Engine) -> None:
         conn.execute(sa.delete(jobq._slots))  # slots held by an earlier test's abandoned handlers
         conn.execute(sa.delete(jobq._starts))
         conn.execute(sa.delete(jobq._attempts))
+        conn.execute(sa.delete(jobq._groups))  # stored group policy (set_group), and its counts
+        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "claim_lock").values(value=""))
 
 
 def only(*dialects: str):

@@ -559,3 +559,28 @@ def test_the_command_line_get_why_and_stats_build_no_sql_inline() -> None:
                     inline.append(f"{name}:{sub.lineno} sa.{sub.func.attr}")
     assert {"get", "why", "stats", "main", "_run_command", "_graph_data"} <= set(checked)
     assert inline == []
+
+
+def test_group_and_groups_store_and_show_policy_and_why_names_it(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """jobq group KEY sets what it is given (--cap/--rate none remove a limit); jobq groups
+    lists; why says a due job of a paused or capped group is held by its group's policy; bad
+    values are one line and exit 2, nothing stored."""
+    assert cli(db_url, "init", capsys=capsys)[0] == 0
+    code, out, _ = cli(db_url, "group", "t1", capsys=capsys)
+    assert code == 0 and "no stored policy" in out
+    code, out, _ = cli(db_url, "group", "t1", "--weight", "3", "--cap", "2", "--rate", "10/1m", "--pause", capsys=capsys)
+    assert code == 0 and out.strip() == "group t1: weight 3, cap 2, rate 10/60s, PAUSED"
+    job = int(cli(db_url, "enqueue", "t", "--group", "t1", capsys=capsys)[1])
+    code, out, _ = cli(db_url, "why", str(job), capsys=capsys)
+    assert "not claimed: its group is paused (resume it with: jobq group t1 --resume)" in out
+    code, out, _ = cli(db_url, "group", "t1", "--resume", "--cap", "none", capsys=capsys)
+    assert out.strip() == "group t1: weight 3, cap none, rate 10/60s"
+    code, out, _ = cli(db_url, "groups", "--json", capsys=capsys)
+    assert [(g["group_key"], g["weight"], g["max_in_flight"], g["rate_limit"], g["paused"]) for g in json.loads(out)] == [
+        ("t1", 3, None, [10, 60.0], False)]
+    code, out, _ = cli(db_url, "status", capsys=capsys)
+    assert "group t1: weight 3, cap none, rate 10/60s" in out
+    for bad in (["--rate", "10"], ["--cap", "0"], ["--pause", "--resume"], ["--weight", "x"]):
+        code, _, err = cli(db_url, "group", "t1", *bad, capsys=capsys)
+        assert code == 2 and one_line_error(err), (bad, err)
+    assert cli(db_url, "group", "t1", capsys=capsys)[1].strip() == "group t1: weight 3, cap none, rate 10/60s"

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPECT = {
     "quickstart.py": ["all done"],
     "async_crawl.py": ["exists: False", "task cancelled (timed_out)", "attempts=2", "peak concurrency 3 (cap 3); done=6"],
-    "tenants.py": ["final slot-time shares", "'done': 250"],
+    "tenants.py": ["final slot-time shares", "'done': 260", "suspended tenant's slot-time while paused: 0.00s"],
     "crash_recover.py": ["killing worker A", "is done, attempts=2", "its current error: None",
                           ": reclaimed (lease expired on attempt 1", ": done"],
     "pipeline_listen.py": ["20 hops in"],

@@ -62,3 +62,36 @@ def test_a_claim_succeeds_with_thousands_of_groups_ready(engine: sa.Engine) -> N
     assert len(jobq.claim_batch(engine, "w", 30, limit=1)) == 1
     leases = jobq.claim_batch(engine, "w", 30, limit=20)
     assert len(leases) == 20 and len({lease.group_key for lease in leases}) == 20
+
+
+@pytest.mark.timeout(300)
+def test_consecutive_claims_cycle_through_every_group_whatever_their_number(engine: sa.Engine) -> None:
+    """1,500 groups each hold one ready job; claims of 500 rank a window of 500 groups after
+    the previous window. Correct: three claims lease every job, each group once. The bugs: a
+    window that never moves (the same 500 groups forever; here they run dry, so the claim
+    would come back short), or MariaDB's old unbounded skip scan, cut after 1,001 groups by
+    max_recursive_iterations (the last 499 groups were never ranked)."""
+    _ready_rows(engine, {f"g{i:05d}": 1 for i in range(1500)})
+    seen: list[str] = []
+    for _ in range(3):
+        leases = jobq.claim_batch(engine, "w", 30, limit=500)
+        assert len(leases) == 500
+        seen += [lease.group_key for lease in leases]
+    assert sorted(seen) == [f"g{i:05d}" for i in range(1500)]
+
+
+def test_a_claim_looks_past_groups_with_nothing_runnable(engine: sa.Engine) -> None:
+    """The first groups in key order hold only jobs scheduled for later or paused; one group
+    further on has a due job. Correct: a claim of one slot leases that job at once (the window
+    extends past groups with nothing runnable). The bug: a window of one group, "a", and an
+    empty claim while work is due."""
+    import datetime as dt
+
+    with engine.begin() as conn:
+        for g in ("a", "b", "c"):
+            jobq.enqueue(conn, "t", group_key=g, run_after=dt.timedelta(hours=1))
+        jobq.enqueue(conn, "t", group_key="d")
+        due = jobq.enqueue(conn, "t", group_key="z")
+    jobq.set_group(engine, "d", paused=True)
+    (lease,) = jobq.claim_batch(engine, "w", 30, limit=1)
+    assert lease.id == due

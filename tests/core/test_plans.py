@@ -35,7 +35,7 @@ def _d(engine: sa.Engine) -> jobq._Dialect:
 PARTIAL = ("ix_jobs_ready", "ix_jobs_in_flight")
 HOT = {
     "in flight per group": lambda e: jobq._Q_IN_FLIGHT_BY_GROUP,
-    "ready groups (skip scan)": lambda e: jobq._Q_READY_GROUPS,
+    "ready groups (skip scan)": lambda e: jobq._Q_READY_GROUPS.params(b_after="g", b_window=64),
     "group counts": lambda e: jobq._q_group_counts(["g", "h"], NOW, ["t"], 10),
     "candidates": lambda e: jobq._q_candidates(_d(e), True).params(b_group="g", b_now=NOW, b_types=["t"], b_limit=10),
     "expired leases": lambda e: jobq._q_expired(NOW, 100),

@@ -16,19 +16,52 @@ class SimResult:
     grants: int
 
 
+def next_window(found: list[str], cursor: str, size: int) -> tuple[list[str], str]:
+    """The claim's window (jobq._GroupScan) when every group has runnable work: the first
+    ``size`` of ``found`` (the groups after the cursor, then wrapped), and the next cursor."""
+    window = list(found[:size])
+    if len(window) < size:  # every group taken: the next window starts from the first
+        return sorted(window), ""
+    return sorted(window), window[-1]
+
+
+def claim_window(groups: list[str], cursor: str, free: int, next_window=next_window) -> tuple[list[str], str]:
+    """Groups after the cursor in key order, then from the first (wrapped), as the claim scans."""
+    after = [g for g in groups if g > cursor][:free]
+    if len(after) < free and cursor:
+        after += [g for g in groups if g <= cursor][: free - len(after)]
+    return next_window(after, cursor, free)
+
+
 def simulate(weights: dict[str, int], durations: dict[str, int], slots: int, ticks: int,
-             allocate=jobq.allocate) -> SimResult:
+             allocate=jobq.allocate, window: bool = False, next_window=next_window,
+             reweigh: dict[int, dict[str, int]] | None = None, window_min: int = jobq.CLAIM_WINDOW) -> SimResult:
+    """``window``: rank only the claim's window of groups (as the database claim does);
+    ``reweigh``: tick -> new weights from that tick on (set_group at run time)."""
     running: list[tuple[str, int]] = []  # (group, ticks left)
     last_start: dict[str, int] = {}
     slot_time = dict.fromkeys(weights, 0)
     passed_over = dict.fromkeys(weights, 0)  # slots granted to others since the group went idle
     max_wait = dict.fromkeys(weights, 0)
     grants = 0
+    order = sorted(weights)
+    cursor = ""
     for t in range(ticks):
+        if reweigh and t in reweigh:
+            weights = {**weights, **reweigh[t]}
         running = [(g, left - 1) for g, left in running if left > 1]
-        in_flight = {g: sum(1 for h, _ in running if h == g) for g in weights}
+        in_flight = dict.fromkeys(weights, 0)
+        for h, _ in running:
+            in_flight[h] += 1
         free = slots - len(running)
-        out = allocate(free, dict.fromkeys(weights, 10**6), weights=weights, in_flight=in_flight, last_start=last_start)
+        ranked = order
+        if window and free > 0:
+            ranked, cursor = claim_window(order, cursor, max(free, window_min), next_window)
+        out = allocate(free, dict.fromkeys(ranked, 10**6), weights=weights, in_flight=in_flight, last_start=last_start)
+        if window and cursor and out:
+            # the next window starts after the last group served, so groups of this window
+            # that got nothing are ranked again (jobq._GroupScan.served)
+            cursor = max(out)
         for g in weights:  # every group stays backlogged
             if in_flight[g] == 0 and g not in out:
                 passed_over[g] += sum(out.values())

@@ -171,3 +171,46 @@ def test_harness_catches_a_rate_counted_outside_the_claim(db_url: str, dialect: 
     _trials(db_url, dialect, tmp_path, "rate_outside_claim",
             lambda r: most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN) > n,
             shown=lambda r: f"{most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN)}/{n}", n_jobs=60, batch_max=4)
+
+
+def test_a_stored_group_cap_holds_at_the_instant_of_contention(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    """set_group(default, max_in_flight=3) and claimers with no options of their own: 12
+    claimers each hold their jobs ~5 ms; the largest overlap never exceeds 3 (and reaches 2).
+    The stored cap is read inside the claim, under the claim lock that set_group also takes."""
+    r = run_drain(db_url, "stored_cap", tmp_path, n_jobs=300 * ROUNDS, cap=3, hold=0.005, batch_max=3)
+    _row(dialect, "stored group cap", r)
+    assert (r.duplicates, r.lost) == (0, 0)
+    assert 2 <= r.max_overlap <= 3
+
+
+def test_harness_catches_a_stored_cap_read_outside_the_claim(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    """Reading the stored cap and the in-flight count in one transaction and claiming in the
+    next overspends the cap."""
+    _trials(db_url, dialect, tmp_path, "stored_cap_outside_claim", lambda r: r.max_overlap > 3,
+            n_jobs=200, cap=3, hold=0.005, batch_max=3)
+
+
+def test_a_stored_rate_limit_holds_under_contention(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    """set_group(default, rate_limit=(10, 0.5)) and claimers with no options: as the worker's
+    rate test, no 0.5 s window holds more than 10 claims and 60 claims span at least 2.5 s."""
+    from variants import RATE
+
+    n, period = RATE
+    r = run_drain(db_url, "stored_rate", tmp_path, n_jobs=60, batch_max=4)
+    most = most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN)
+    span = max(a for _, a in r.claim_spans) - min(b for b, _ in r.claim_spans)
+    SUMMARY.append({"engine": dialect, "check": f"stored rate: most claims in {period}s", "claimers": r.claimers,
+                    "claims": r.claims, "dups": r.duplicates, "lost": r.lost, "overlap": f"{most}/{n}",
+                    "secs": f"{r.seconds:.1f}"})
+    assert (r.duplicates, r.lost, r.double_done) == (0, 0, 0)
+    assert most <= n
+    assert span >= (60 / n - 1) * period - CLOCK_MARGIN
+
+
+def test_harness_catches_a_stored_rate_read_outside_the_claim(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    from variants import RATE
+
+    n, period = RATE
+    _trials(db_url, dialect, tmp_path, "stored_rate_outside_claim",
+            lambda r: most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN) > n,
+            shown=lambda r: f"{most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN)}/{n}", n_jobs=60, batch_max=4)

@@ -122,6 +122,70 @@ def rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None)
     return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, room), max_in_flight=cap)]
 
 
+_stored: set[str] = set()
+
+
+def _store_policy(engine: sa.Engine, **policy) -> None:
+    """Each claimer process stores the group's policy before its first claim (the same value
+    every time), so every claim of the run starts after a committed set_group."""
+    key = f"{engine.url}:{sorted(policy.items())}"
+    if key not in _stored:
+        jobq.set_group(engine, "default", **policy)
+        _stored.add(key)
+
+
+def stored_cap(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq's claim with no options of its own, bound by the group's stored cap (set_group)."""
+    assert cap is not None
+    _store_policy(engine, max_in_flight=cap)
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=limit)]
+
+
+def _policy_outside_claim() -> None:
+    # The claim's own read of stored policy, switched off in this (claimer) process: the
+    # broken variants below have read the policy themselves, in an earlier transaction.
+    jobq._group_policies = lambda conn, keys: {}
+    jobq._policy_counts = lambda value: (0, 0)
+
+
+def stored_cap_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: reads the stored cap and the group's in-flight count in one transaction, and
+    claims (without consulting the policy again) in the next."""
+    assert cap is not None
+    _store_policy(engine, max_in_flight=cap)
+    policy = jobq.get_group(engine, "default")
+    assert policy is not None and policy.max_in_flight is not None
+    with engine.begin() as conn:
+        free = policy.max_in_flight - _in_flight(conn)
+    if free <= 0:
+        return []
+    _policy_outside_claim()
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, free))]
+
+
+def stored_rate(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq's claim with no options of its own, bound by the group's stored rate limit."""
+    _store_policy(engine, rate_limit=RATE)
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=limit)]
+
+
+def stored_rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: reads the stored rate and counts the window's starts in one transaction, and
+    claims (without consulting the policy again) in the next."""
+    _store_policy(engine, rate_limit=RATE)
+    n, period = RATE  # as stored (a get_group per claim would only slow the drain)
+    with engine.begin() as conn:
+        now = jobq._prepare(engine).db_now(conn)
+        starts = jobq._starts
+        used = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(starts.c.n), 0))
+                            .where(starts.c.started_at > now - dt.timedelta(seconds=period))).scalar_one()
+    room = n - int(used)
+    if room <= 0:
+        return []
+    _policy_outside_claim()
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, room))]
+
+
 async def async_correct(engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
     """jobq.aio's claim on an AsyncEngine: the same claim, bridged to the event loop."""
     leases = await jobq.aio.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=cap)
@@ -149,4 +213,8 @@ VARIANTS = {
     "skip_locked_without_cap_lock": skip_locked_without_cap_lock,
     "rate_limited": rate_limited,
     "rate_outside_claim": rate_outside_claim,
+    "stored_cap": stored_cap,
+    "stored_cap_outside_claim": stored_cap_outside_claim,
+    "stored_rate": stored_rate,
+    "stored_rate_outside_claim": stored_rate_outside_claim,
 }

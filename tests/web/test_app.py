@@ -99,7 +99,7 @@ def test_every_page_and_its_json_twin(engine: sa.Engine) -> None:
     page = html_ok(call(app, "/groups"))
     assert "tenant-a" in page and 'id="policy-note"' in page
     g = call(app, "/api/groups").json()
-    assert g["policy_stored"] is False and {r["group"] for r in g["groups"]} >= {"tenant-a", "tenant-b"}
+    assert g["policy_stored"] is True and {r["group"] for r in g["groups"]} >= {"tenant-a", "tenant-b"}
     assert call(app, "/static/jobq.css").headers["Content-Type"].startswith("text/css")
     assert call(app, "/static/jobq.js").status == 200
     assert call(app, "/", "HEAD").body == ""
@@ -284,17 +284,23 @@ def test_actions_need_the_token_and_a_csrf_field(engine: sa.Engine) -> None:
     assert r.status == 303 and "Max-Age=0" in r.cookies[0]
 
 
-def test_group_pause_needs_the_token_and_says_where_policy_lives(engine: sa.Engine) -> None:
-    """Pause/resume go through the same token and CSRF checks; on a database without stored
-    group policy they answer 501 with a sentence (and change nothing)."""
+def test_group_pause_needs_the_token_and_stores_the_policy(engine: sa.Engine) -> None:
+    """Pause/resume go through the same token and CSRF checks, and then through jobq.set_group:
+    the stored policy says paused (the groups page shows it), and resume clears it. A bug shows
+    a pause without the token taking effect, or a pause that stores nothing."""
     jobq.enqueue(engine, "t", {}, group_key="tenant-a")
     app = jobq_web.app(engine, token=TOKEN)
     assert call(app, "/groups/tenant-a/pause", "POST").status == 401
     cookie, _ = _session(app)
     assert call(app, "/groups/tenant-a/pause", "POST", cookie=cookie).status == 403
-    r = call(app, "/groups/tenant-a/pause", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
-    assert r.status == 501 and "group policy is not stored in this database" in r.json()["error"]
     assert call(jobq_web.app(engine), "/groups/tenant-a/resume", "POST").status == 403
+    assert jobq.get_group(engine, "tenant-a") is None  # nothing stored by the refused requests
+    r = call(app, "/groups/tenant-a/pause", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and jobq.get_group(engine, "tenant-a").paused is True  # type: ignore[union-attr]
+    rows = {g["group"]: g for g in call(app, "/api/groups").json()["groups"]}
+    assert rows["tenant-a"]["paused"] is True
+    r = call(app, "/groups/tenant-a/resume", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and jobq.get_group(engine, "tenant-a").paused is False  # type: ignore[union-attr]
 
 
 def test_a_short_token_is_refused(engine: sa.Engine) -> None:

@@ -144,7 +144,7 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
         assert find(By.TAG_NAME, "h1").text == "Groups"
         assert {"tenant-a", "tenant-b"} <= {a.text for a in find(By.CSS_SELECTOR, "table.groups").find_elements(
             By.CSS_SELECTOR, "td:first-child a")}
-        assert "not stored in this database" in find(By.ID, "policy-note").text
+        assert "jobq group KEY" in find(By.ID, "policy-note").text
 
         # JavaScript off: the read-only pages show the same (no live switch, nothing missing)
         d.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})  # type: ignore[attr-defined]

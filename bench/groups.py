@@ -1,0 +1,79 @@
+"""jobq benchmark, "groups" mode: how a claim's cost grows with the groups holding ready work.
+
+Each group holds 2 ready jobs; one ``claim_batch(limit=64, max_in_flight=64)`` is timed, its
+leases released untimed, three times; the median is reported per group count.
+
+Run:
+    python bench/groups.py --url postgresql+psycopg://postgres@127.0.0.1/test --groups 1,100,1000,10000
+    python bench/bench.py --url ... --only groups          # the same rows inside bench.py's table
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import sqlalchemy as sa
+
+import jobq
+
+GROUP_COUNTS = (1, 100, 1_000, 10_000)
+
+
+def _seed_groups(eng: sa.Engine, n_groups: int, per_group: int = 2) -> None:
+    now = jobq._utcnow() - jobq._dt.timedelta(seconds=5)
+    base = dict(type="noop", args={}, state="ready", is_container=False, parent_id=None, weight=1, run_after=now,
+                created_at=now, updated_at=now, attempts=0, max_attempts=3, in_flight=False, cancel_requested=False,
+                pending_deps=0, pending_children=0, failed_children=0)
+    rows = [dict(base, group_key=f"tenant-{g:06d}") for g in range(n_groups) for _ in range(per_group)]
+    with eng.begin() as conn:
+        for i in range(0, len(rows), 5000):
+            conn.execute(sa.insert(jobq.Job.__table__), rows[i:i + 5000])
+
+
+def claim_time(url: str, n_groups: int, repeats: int = 3) -> float:
+    """Median seconds of one claim_batch(limit=64, max_in_flight=64) over ``n_groups`` groups."""
+    eng = sa.create_engine(url)
+    jobq.Base.metadata.drop_all(eng)
+    jobq.create_schema(eng)
+    _seed_groups(eng, n_groups)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        leases = jobq.claim_batch(eng, "bench", 60, limit=64, max_in_flight=64)
+        times.append(time.perf_counter() - t0)
+        assert leases, "nothing claimed"
+        for lease in leases:
+            jobq.release(eng, lease.id, worker_id="bench", token=lease.token)
+    eng.dispose()
+    return statistics.median(times)
+
+
+def groups_rows(url: str, counts: tuple[int, ...] = GROUP_COUNTS) -> list[tuple[str, str]]:
+    """bench.py's rows: claim time per number of groups with ready work."""
+    out = []
+    for n in counts:
+        secs = claim_time(url, n)
+        out.append((f"claim_batch(limit=64, max_in_flight=64), {n:,} groups x 2 ready jobs (median of 3)",
+                    f"{secs * 1000:.1f} ms"))
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url")
+    ap.add_argument("--groups", default=",".join(map(str, GROUP_COUNTS)))
+    ns = ap.parse_args()
+    url = ns.url or f"sqlite:///{tempfile.mkdtemp(prefix='jobq-bench-')}/bench.db"
+    groups_rows(url, tuple(int(x) for x in ns.groups.split(",")))
+
+
+if __name__ == "__main__":
+    main()
