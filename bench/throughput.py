@@ -46,6 +46,7 @@ import sqlalchemy as sa
 import bench as B
 
 PEER_MISSING: dict[str, str] = {}
+FAILED: dict[tuple[str, int], int] = {}  # (contender, processes) -> runs that raised
 
 
 # -- the DBAPI ceiling --------------------------------------------------------------------------
@@ -422,6 +423,7 @@ def measure(url: str, n: int, procs: tuple[int, ...], rounds: int, peer_url: str
                     secs, cpu = _run_procs(c.setup, (u, p, *c.extra), p)
                 except Exception as e:  # a peer that breaks is reported, not fatal to the run
                     log(f"  {c.name} x{p}: failed: {type(e).__name__}: {e}")
+                    FAILED[(c.name, p)] = FAILED.get((c.name, p), 0) + 1
                     continue
                 results.setdefault((c.name, p), []).append((k / secs, cpu / k * 1e6))
                 log(f"  round {r + 1} {c.name} x{p}, {k:,} jobs: {k / secs:,.0f} jobs/s, {cpu / k * 1e6:,.0f} us CPU/job")
@@ -438,11 +440,12 @@ def table(results: dict[tuple[str, int], list[tuple[float, float]]], procs: tupl
     for name in names:
         cells = []
         for p in procs:
+            bad = f" ({FAILED[(name, p)]} run(s) failed)" if (name, p) in FAILED else ""
             if (name, p) not in med:
-                cells.append("–")
+                cells.append("failed" + bad if bad else "–")
                 continue
             rate, cpu, k = med[(name, p)]
-            cell = f"{rate:,.0f} jobs/s, {cpu:,.0f} µs CPU/job"
+            cell = f"{rate:,.0f} jobs/s, {cpu:,.0f} µs CPU/job{bad}"
             ceil = med.get(("ceiling", p))
             if name != "ceiling" and ceil:
                 cell += f" ({rate / ceil[0]:.2f}× ceiling)"
