@@ -1173,16 +1173,18 @@ def _q_reclaim_cancelled(ids: list[int], now: _dt.datetime) -> sa.Update:
     )
 
 
-def _q_expired(now: _dt.datetime, limit: int) -> sa.Select[Any]:
+def _q_expired(d: _Dialect) -> sa.Select[Any]:
+    """Expired leases (``b_now``), at most ``b_limit``, locked, skipping rows others hold.
+    Prebuilt: every tick's sweep runs it."""
     # Ordered as ix_jobs_in_flight is (group_key, then rowid on SQLite): ORDER BY id alone let
     # SQLite, after an ANALYZE taken while nothing was in flight, prefer a rowid scan of the
     # whole table (tests/core/test_plans.py).
-    return (
+    return _prebuilt(d, "expired", lambda: d.lock_skip(
         sa.select(_c.id, _c.attempts, _c.max_attempts, _c.lease_token, _c.cancel_requested)
-        .where(_c.in_flight == _TRUE, _state_is(*_LIVE), _c.lease_expires < now)
+        .where(_c.in_flight == _TRUE, _state_is(*_LIVE), _c.lease_expires < sa.bindparam("b_now", type_=_TS))
         .order_by(_c.group_key, _c.id)
-        .limit(limit)
-    )
+        .limit(sa.bindparam("b_limit", type_=sa.Integer))
+    ))
 
 
 def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
@@ -3212,7 +3214,7 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
         _HOUSEKEEPING[conn.engine] = time.monotonic()
         conn.execute(_Q_SWEEP_SLOTS, {"b_now": now})
         conn.execute(_Q_SWEEP_STARTS, {"b_before": now - START_LOG_RETENTION})
-    rows = conn.execute(d.lock_skip(_q_expired(now, limit))).all()
+    rows = conn.execute(_q_expired(d), {"b_now": now, "b_limit": limit}).all()
     if not rows:
         return []
     cancel = [r.id for r in rows if r.cancel_requested]
