@@ -209,7 +209,8 @@ def main() -> None:
 
         procs = tuple(int(x) for x in ns.procs.split(","))
         res = throughput.measure(url, ns.jobs, procs, ns.rounds, peer_url=ns.peer_url,
-                                 only=set(ns.contenders.split(",")) if ns.contenders else None)
+                                 only=set(ns.contenders.split(",")) if ns.contenders else None,
+                                 conc=ns.concurrency)
         side_by_side = throughput.table(res, procs)
         print("\n".join(side_by_side), flush=True)
 

@@ -392,9 +392,9 @@ def _installed(module: str, extra: str = "bench") -> bool:
         return False
 
 
-def contenders(url: str, peer_url: str | None, want: set[str] | None) -> list[Contender]:
+def contenders(url: str, peer_url: str | None, want: set[str] | None, conc: int = 64) -> list[Contender]:
     fam = sa.make_url(url).get_backend_name()
-    out = [Contender("ceiling", _jobq_seed, _setup_ceiling), Contender("jobq", _jobq_seed, _setup_jobq)]
+    out = [Contender("ceiling", _jobq_seed, _setup_ceiling), Contender("jobq", _jobq_seed, _setup_jobq, (conc,))]
     if fam == "postgresql" and _installed("pgqueuer") and _installed("asyncpg") and _installed("uvloop"):
         out.append(Contender("pgqueuer-tuned", _pgq_seed, _setup_pgq, (5, 50, True)))
         out.append(Contender("pgqueuer-defaults", _pgq_seed, _setup_pgq, (1, 10, False)))
@@ -408,10 +408,12 @@ def contenders(url: str, peer_url: str | None, want: set[str] | None) -> list[Co
 
 
 def measure(url: str, n: int, procs: tuple[int, ...], rounds: int, peer_url: str | None = None,
-            only: set[str] | None = None, log: Callable[[str], None] = print) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    """Drain `n` jobs with each contender and process count, `rounds` times, alternating.
-    Returns {(contender, processes): [(jobs/s, CPU µs per job), ...]}."""
-    cs = contenders(url, peer_url, only)
+            only: set[str] | None = None, log: Callable[[str], None] = print,
+            conc: int = 64) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Drain `n` jobs with each contender and process count, `rounds` times, alternating
+    (jobq with `conc` slots per process). Returns {(contender, processes): [(jobs/s, CPU µs
+    per job), ...]}."""
+    cs = contenders(url, peer_url, only, conc)
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for r in range(rounds):
         for p in procs:
