@@ -1122,9 +1122,13 @@ def _q_roll_up(parent_id: int, state: str, error: str | None, now: _dt.datetime)
     )
 
 
-def _q_dependent_counts(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
-    """(dependent, how many of ``ids`` it depends on)."""
-    return sa.select(_deps.c.job_id, sa.func.count()).where(_id_in(d, _deps.c.depends_on_id, ids)).group_by(_deps.c.job_id)
+def _q_dependent_counts(d: _Dialect) -> sa.Select[Any]:
+    """(dependent, how many of ``b_ids`` it depends on). Prebuilt: every finalize runs it."""
+    return _prebuilt(d, "dependent_counts", lambda: (
+        sa.select(_deps.c.job_id, sa.func.count())
+        .where(_id_in(d, _deps.c.depends_on_id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))
+        .group_by(_deps.c.job_id)
+    ))
 
 
 def _q_first_upstream(ids: Sequence[int]) -> sa.Select[Any]:
@@ -1307,21 +1311,37 @@ def _q_fail(
     return sa.update(_jobs).where(*_fence(job_id, owner, token)).values(**values)
 
 
-def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None, token: str | None, now: _dt.datetime) -> sa.Update:
-    """Finish many jobs of one lease in one statement: each row gets its own result (a CASE on
-    the id when they differ) and the same fence as _q_finish. One round trip on every driver
-    (an executemany is one round trip per row on PyMySQL)."""
-    result: Any
+def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None, token: str | None,
+                    now: _dt.datetime) -> tuple[sa.Update, dict[str, Any] | None]:
+    """Finish many jobs of one lease in one statement, with its parameters: each row gets its
+    own result (a CASE on the id when they differ) and the same fence as _q_finish. One round
+    trip on every driver (an executemany is one round trip per row on PyMySQL). When every row
+    gets the same result (no-op handlers: all None) the statement is prebuilt and only the
+    parameters are new, so a tick pays no statement construction for its finalize."""
+    ids = [o.job_id for o in outcomes]
+    first = outcomes[0].result
     if all(o.result is None for o in outcomes) or len({json.dumps(o.result, sort_keys=True) for o in outcomes}) == 1:
-        result = sa.literal(outcomes[0].result, _JSONCOL)
-    else:
-        result = sa.case({o.job_id: sa.literal(o.result, _JSONCOL) for o in outcomes}, value=_c.id)
+        return _q_finish_batch_same(d), {"b_ids": ids, "b_owner": owner, "b_token": token, "b_result": first,
+                                         "b_now": now}
+    result = sa.case({o.job_id: sa.literal(o.result, _JSONCOL) for o in outcomes}, value=_c.id)
     return (
         sa.update(_jobs)
-        .where(_id_in(d, _c.id, [o.job_id for o in outcomes]), _state_is(*_LIVE), _c.cancel_requested == sa.false(),
+        .where(_id_in(d, _c.id, ids), _state_is(*_LIVE), _c.cancel_requested == sa.false(),
                _c.lease_owner == owner, _c.lease_token == token)
         .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
-    )
+    ), None
+
+
+def _q_finish_batch_same(d: _Dialect) -> sa.Update:
+    # _q_finish_batch's statement when all rows get one result; keep the two in sync.
+    return _prebuilt(d, "finish_batch_same", lambda: (
+        sa.update(_jobs)
+        .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))), _state_is(*_LIVE),
+               _c.cancel_requested == sa.false(), _c.lease_owner == sa.bindparam("b_owner", type_=sa.String(200)),
+               _c.lease_token == sa.bindparam("b_token", type_=sa.String(32)))
+        .values(state="done", result=sa.bindparam("b_result", type_=_JSONCOL), error=None, finished_at=sa.bindparam("b_now", type_=_TS),
+                updated_at=sa.bindparam("b_now", type_=_TS), **_CLEAR_LEASE)
+    ))
 
 
 def _q_landed(ids: Sequence[int], now: _dt.datetime, tokens: Iterable[str | None]) -> sa.Select[Any]:
@@ -1487,16 +1507,18 @@ def _q_reclaim_cancelled(ids: list[int], now: _dt.datetime) -> sa.Update:
     )
 
 
-def _q_expired(now: _dt.datetime, limit: int) -> sa.Select[Any]:
+def _q_expired(d: _Dialect) -> sa.Select[Any]:
+    """Expired leases (``b_now``), at most ``b_limit``, locked, skipping rows others hold.
+    Prebuilt: every tick's sweep runs it."""
     # Ordered as ix_jobs_in_flight is (group_key, then rowid on SQLite): ORDER BY id alone let
     # SQLite, after an ANALYZE taken while nothing was in flight, prefer a rowid scan of the
     # whole table (tests/core/test_plans.py).
-    return (
+    return _prebuilt(d, "expired", lambda: d.lock_skip(
         sa.select(_c.id, _c.attempts, _c.max_attempts, _c.lease_token, _c.cancel_requested)
-        .where(_c.in_flight == _TRUE, _state_is(*_LIVE), _c.lease_expires < now)
+        .where(_c.in_flight == _TRUE, _state_is(*_LIVE), _c.lease_expires < sa.bindparam("b_now", type_=_TS))
         .order_by(_c.group_key, _c.id)
-        .limit(limit)
-    )
+        .limit(sa.bindparam("b_limit", type_=sa.Integer))
+    ))
 
 
 def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
@@ -3845,7 +3867,8 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         n = 0
         for (owner, token), group in by_lease.items():
             for part in _chunks(group):
-                n += conn.execute(_q_finish_batch(d, part, owner, token, now)).rowcount
+                stmt, params = _q_finish_batch(d, part, owner, token, now)
+                n += conn.execute(stmt, params).rowcount
         ids = [o.job_id for o in fast]
         if n == len(fast):
             landed = {(o.job_id, o.token) for o in fast}
@@ -4015,7 +4038,7 @@ def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[t
                 todo.append((pid, state))
         # -- dependents
         for chunk in _chunks([i for i, s in batch if s == "done"]):
-            counts: dict[int, int] = dict(conn.execute(_q_dependent_counts(d, chunk)).all())
+            counts: dict[int, int] = dict(conn.execute(_q_dependent_counts(d), {"b_ids": list(chunk)}).all())
             if _release_pending(conn, now, counts):
                 d.notify(conn)
         for bad_state in _BAD:
@@ -4178,7 +4201,7 @@ def _reclaim_rows(conn: Connection, d: _Dialect, now: _dt.datetime, limit: int =
         _HOUSEKEEPING[conn.engine] = time.monotonic()
         conn.execute(_Q_SWEEP_SLOTS, {"b_now": now})
         conn.execute(_Q_SWEEP_STARTS, {"b_before": now - START_LOG_RETENTION})
-    rows = conn.execute(d.lock_skip(_q_expired(now, limit))).all()
+    rows = conn.execute(_q_expired(d), {"b_now": now, "b_limit": limit}).all()
     if not rows:
         return []
     _discard_spawns(conn, d, now, {(r.id, r.lease_token) for r in rows})  # their results never commit

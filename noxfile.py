@@ -145,8 +145,8 @@ def fairness(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """jobq against the raw-SQL ceiling; pass --url to measure a server (default SQLite)."""
-    session.install("-e", ".[postgres,mysql]")
+    """jobq beside a DBAPI ceiling and its peers (PGQueuer, huey, Procrastinate); --url names the database."""
+    session.install("-e", ".[postgres,mysql,bench]")
     session.run("python", "bench/bench.py", *session.posargs)
 
 

@@ -1,11 +1,11 @@
-"""jobq benchmark: jobq against a raw-SQL loop doing the same claim + finalize work.
+"""jobq benchmark: jobq against a DBAPI ceiling and its peers, and jobq's own latencies.
 
 Run:
     python bench/bench.py                                   # SQLite file in a temp directory
     python bench/bench.py --url postgresql+psycopg://postgres@127.0.0.1/test --jobs 20000
 
-Prints one table: drain throughput (1 and 2 worker processes) and its ratio to the raw-SQL
-ceiling measured in the same run on the same database, enqueue throughput (single and bulk),
+Prints the drain table of bench/throughput.py (jobq, the DBAPI ceiling and the peers, 1, 2 and
+4 worker processes, alternating, medians), then enqueue throughput (single and bulk),
 a DAG submit, enqueue->start latency with polling, tick time on a near-empty table versus one
 holding many done and blocked rows, and worker peak RSS after N and 10N jobs.
 """
@@ -54,54 +54,9 @@ def seed(eng: sa.Engine, n: int, type_: str = "noop") -> None:
             conn.execute(sa.insert(jobs), rows[i:i + 5000])
 
 
-# -- the raw-SQL ceiling: claim 50 per transaction with SKIP LOCKED, finalize in batches --------
-
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def raw_drain(url: str, n_procs: int) -> tuple[float, float]:
-    """Seconds to drain, and CPU seconds the client processes used."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_raw_proc, args=(url, out)) for _ in range(n_procs)]
-    t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    cpu = sum(out.get() for _ in procs)
-    for p in procs:
-        p.join()
-    return time.perf_counter() - t0, cpu
-
-
-def _raw_proc(url: str, out: mp.Queue) -> None:
-    _raw_loop(url)
-    out.put(_cpu())
-
-
-def _raw_loop(url: str) -> None:
-    eng = sa.create_engine(url)
-    jobq._prepare(eng)
-    while True:
-        def claim(conn: sa.Connection, d: jobq._Dialect) -> list[int]:
-            ids = list(conn.execute(d.lock_skip(
-                sa.select(c.id).where(c.state == sa.literal_column("'ready'"), c.group_key == "default")
-                .order_by(c.run_after, c.id).limit(50))).scalars())
-            if ids:
-                conn.execute(sa.update(jobs).where(c.id.in_(ids)).values(state="running", lease_token="raw", in_flight=True))
-            return ids
-
-        ids = jobq._transaction(eng, claim)
-        if not ids:
-            break
-
-        def finish(conn: sa.Connection, d: jobq._Dialect, ids: list[int] = ids) -> None:
-            conn.execute(sa.update(jobs).where(c.id.in_(ids), c.lease_token == "raw")
-                         .values(state="done", result={}, in_flight=False))
-
-        jobq._transaction(eng, finish)
-    eng.dispose()
 
 
 # -- jobq ---------------------------------------------------------------------------------------
@@ -223,9 +178,13 @@ SECTIONS = ("drain", "enqueue", "latency", "tick", "rss")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="jobq vs the raw-SQL ceiling")
+    ap = argparse.ArgumentParser(description="jobq vs a DBAPI ceiling and its peers")
     ap.add_argument("--url")
-    ap.add_argument("--jobs", type=int, default=20000)
+    ap.add_argument("--jobs", type=int, default=10000)
+    ap.add_argument("--procs", default="1,2,4", help="worker process counts for the drains")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per drain figure (the median is shown)")
+    ap.add_argument("--contenders", help="comma-separated subset of the drain contenders (ceiling,jobq,pgqueuer-tuned,...)")
+    ap.add_argument("--peer-url", help="database for Procrastinate's schema (default: the --url database + _peer)")
     ap.add_argument("--concurrency", type=int, default=64,
                     help="slots per worker process in the drains (global cap = this x processes)")
     ap.add_argument("--done-rows", type=int, default=1_000_000)
@@ -245,18 +204,15 @@ def main() -> None:
     eng0.dispose()
 
     if "drain" in only:
-        for procs in (1, 2):
-            fresh(url).dispose()
-            seed(sa.create_engine(url), n)
-            raw, raw_cpu = raw_drain(url, procs)
-            fresh(url).dispose()
-            seed(sa.create_engine(url), n)
-            secs, _, cpu = jobq_drain(url, procs, ns.concurrency)
-            rows.append((f"drain {n:,} no-op jobs, {procs} process(es): jobq / raw SQL",
-                         f"{n / secs:,.0f} / {n / raw:,.0f} jobs/s  ({raw / secs:.0%})"))
-            rows.append((f"  client CPU per job, {procs} process(es): jobq / raw SQL",
-                         f"{cpu / n * 1e6:,.0f} / {raw_cpu / n * 1e6:,.0f} us"))
-            print(rows[-2:], flush=True)
+        # jobq, the DBAPI ceiling and the peers side by side: bench/throughput.py
+        import throughput
+
+        procs = tuple(int(x) for x in ns.procs.split(","))
+        res = throughput.measure(url, ns.jobs, procs, ns.rounds, peer_url=ns.peer_url,
+                                 only=set(ns.contenders.split(",")) if ns.contenders else None,
+                                 conc=ns.concurrency)
+        side_by_side = throughput.table(res, procs)
+        print("\n".join(side_by_side), flush=True)
 
     if "enqueue" in only:
         eng = fresh(url)
@@ -318,7 +274,9 @@ def main() -> None:
         rows.extend(groups_rows(url))
 
     print()
-    width = max(len(a) for a, _ in rows)
+    if "drain" in only:
+        print("\n".join(side_by_side) + "\n")
+    width = max((len(a) for a, _ in rows), default=0)
     for a, b in rows:
         print(f"{a:<{width}}  {b}")
 

@@ -38,7 +38,7 @@ HOT = {
     "ready groups (skip scan)": lambda e: jobq._Q_READY_GROUPS.params(b_after="g", b_window=64),
     "group counts": lambda e: jobq._q_group_counts(["g", "h"], NOW, ["t"], 10),
     "candidates": lambda e: jobq._q_candidates(_d(e), True).params(b_group="g", b_now=NOW, b_types=["t"], b_limit=10),
-    "expired leases": lambda e: jobq._q_expired(NOW, 100),
+    "expired leases": lambda e: jobq._q_expired(_d(e)).params(b_now=NOW, b_limit=100),
 }
 
 

@@ -1,0 +1,465 @@
+"""Side-by-side drain throughput: jobq, a DBAPI ceiling and the peers, in one run, alternating.
+
+Every contender drains the same number of no-op jobs, seeded before its clock starts, with 1, 2
+and 4 worker processes; the contenders take turns (the order rotates each round) and each figure
+is the median of `--rounds` runs, so the load other processes put on the machine falls on all of
+them alike. Read the ratios: absolute figures move with that load.
+
+Contenders, per engine:
+
+* `ceiling`: the work every queue must do, written against the DBAPI directly (psycopg, sqlite3,
+  PyMySQL; no SQLAlchemy): claim 50 ready rows of jobq's own table with the engine's locking read
+  (`FOR UPDATE SKIP LOCKED`, SQLite's `BEGIN IMMEDIATE`), mark them leased under one token and
+  commit; run the no-op; finalize all 50 in one fenced `UPDATE` and commit. No cap, no groups, no
+  DAG bookkeeping, no heartbeats, no dispatch to threads.
+* `jobq`: `Worker(max_concurrency=64 per process).run_until_idle()`, defaults otherwise.
+* PostgreSQL: PGQueuer tuned (asyncpg + uvloop, batch 50, 5 queue managers per process, each on
+  its own connection) and PGQueuer with its defaults (one queue manager, batch 10, asyncio's
+  loop); Procrastinate (psycopg, `run_worker(wait=False)`, concurrency 10) for reference, its
+  schema in the database named by `--peer-db` (default `<db>_peer`, created if missing).
+* SQLite: huey (`SqliteHuey`, its defaults: WAL, the engine's default synchronous=FULL), each
+  process looping over huey's own `dequeue()` / `execute()` (a consumer thread without its
+  polling sleep).
+
+The peers are the `bench` extra (`pip install -e .[bench]`); a peer that is not installed is
+skipped with a line saying so. jobq.py never imports them.
+
+Client CPU is the worker processes' own CPU time (user + system) divided by the jobs drained: the
+figure that says how much of a core the queue library costs per job, apart from the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+import bench as B
+
+PEER_MISSING: dict[str, str] = {}
+FAILED: dict[tuple[str, int], int] = {}  # (contender, processes) -> runs that raised
+
+
+# -- the DBAPI ceiling --------------------------------------------------------------------------
+
+def _dbapi_connect(url: str) -> tuple[Any, str]:
+    """A raw DBAPI connection for `url` and its engine family (sqlite, postgresql, mysql)."""
+    u = sa.make_url(url)
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        import sqlite3
+
+        conn = sqlite3.connect(u.database, timeout=30, isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        return conn, "sqlite"
+    if backend == "postgresql":
+        import psycopg
+
+        return psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, password=u.password or None,
+                               dbname=u.database), "postgresql"
+    import pymysql
+
+    conn = pymysql.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+                           database=u.database, autocommit=False)
+    with conn.cursor() as cur:
+        cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    return conn, "mysql"
+
+
+_CLAIM_SELECT = ("SELECT {cols} FROM jobs WHERE state = 'ready' AND group_key = 'default' "
+                 "ORDER BY run_after, id LIMIT 50")
+_LEASE_SET = "state = 'running', lease_token = {p}, in_flight = {t}, attempts = attempts + 1, started_at = {p}"
+_DONE_SET = "state = 'done', result = {p}, in_flight = {f}, lease_token = NULL, finished_at = {p}"
+
+
+def _now(fam: str) -> Any:
+    return B.jobq._utcnow().replace(tzinfo=None)  # jobq's timestamps are naive UTC
+
+
+def _ceiling_loop(url: str) -> int:
+    """Drain jobq's table with the least work a fenced batch queue can do; returns jobs done."""
+    conn, fam = _dbapi_connect(url)
+    handler: Callable[[dict[str, Any]], None] = lambda args: None  # noqa: E731
+    done = 0
+    while True:
+        token = uuid.uuid4().hex
+        now = _now(fam)
+        if fam == "postgresql":
+            with conn.cursor() as cur:
+                cur.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='%s', t='true')} WHERE id IN "
+                            f"({_CLAIM_SELECT.format(cols='id')} FOR UPDATE SKIP LOCKED) RETURNING id, type, args", (token, now))
+                rows = cur.fetchall()
+            conn.commit()
+        elif fam == "sqlite":
+            conn.execute("BEGIN IMMEDIATE")
+            rows = conn.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='?', t='1')} WHERE id IN "
+                                f"({_CLAIM_SELECT.format(cols='id')}) RETURNING id, type, args", (token, now)).fetchall()
+            conn.execute("COMMIT")
+        else:
+            with conn.cursor() as cur:
+                cur.execute(f"{_CLAIM_SELECT.format(cols='id, type, args')} FOR UPDATE SKIP LOCKED")
+                rows = cur.fetchall()
+                if rows:
+                    ids = ",".join(str(r[0]) for r in rows)
+                    cur.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='%s', t='true')} WHERE id IN ({ids})",
+                                (token, now))
+            conn.commit()
+        if not rows:
+            break
+        for _id, _type, args in rows:
+            handler(json.loads(args) if isinstance(args, (str, bytes)) else args)
+        ids = [r[0] for r in rows]
+        now = _now(fam)
+        if fam == "postgresql":
+            with conn.cursor() as cur:
+                cur.execute(f"UPDATE jobs SET {_DONE_SET.format(p='%s', f='false')} "
+                            "WHERE id = ANY(%s) AND lease_token = %s", ("{}", now, ids, token))
+            conn.commit()
+        elif fam == "sqlite":
+            conn.execute("BEGIN")
+            conn.execute(f"UPDATE jobs SET {_DONE_SET.format(p='?', f='0')} WHERE id IN "
+                         f"({','.join('?' * len(ids))}) AND lease_token = ?", ("{}", now, *ids, token))
+            conn.execute("COMMIT")
+        else:
+            with conn.cursor() as cur:
+                cur.execute(f"UPDATE jobs SET {_DONE_SET.format(p='%s', f='false')} WHERE id IN "
+                            f"({','.join(map(str, ids))}) AND lease_token = %s", ("{}", now, token))
+            conn.commit()
+        done += len(ids)
+    conn.close()
+    return done
+
+
+# -- process harness ------------------------------------------------------------------------------
+
+def _proc_main(target: Callable[..., Any], args: tuple[Any, ...], ready: Any, go: Any, out: Any) -> None:
+    setup = target(*args)  # returns the drain function, with its connections made
+    ready.set()
+    go.wait()
+    cpu0 = B._cpu()  # the drain's own CPU, not the imports and set-up before it
+    setup()
+    out.put(B._cpu() - cpu0)
+
+
+def _run_procs(target: Callable[..., Any], args: tuple[Any, ...], n_procs: int) -> tuple[float, float]:
+    """Start n processes that each set up, wait for the start signal, drain; returns (seconds,
+    CPU seconds of all of them)."""
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(n_procs)]
+    procs = [ctx.Process(target=_proc_main, args=(target, args, readies[i], go, out)) for i in range(n_procs)]
+    for p in procs:
+        p.start()
+    for r in readies:
+        if not r.wait(120):
+            raise RuntimeError(f"{target.__name__}: a process did not get ready")
+    t0 = time.perf_counter()
+    go.set()
+    cpus: list[float] = []
+    while len(cpus) < n_procs:
+        try:
+            cpus.append(out.get(timeout=0.05))
+        except queue.Empty:
+            if any(p.exitcode for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{target.__name__}: a process failed") from None
+    elapsed = time.perf_counter() - t0
+    cpu = sum(cpus)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"{target.__name__}: a process exited with {p.exitcode}")
+    return elapsed, cpu
+
+
+def _setup_ceiling(url: str, n_procs: int) -> Callable[[], None]:
+    return functools.partial(_ceiling_loop, url)
+
+
+def _setup_jobq(url: str, n_procs: int, conc: int = 64) -> Callable[[], None]:
+    # `conc` slots per process: the global cap grows with the processes (see bench.jobq_drain).
+    eng = sa.create_engine(url)
+    w = B.jobq.Worker(eng, {"noop": B._noop}, max_concurrency=conc * n_procs, poll_interval=0.05, lease_ttl=60)
+    return w.run_until_idle
+
+
+# -- PGQueuer -------------------------------------------------------------------------------------
+
+def _asyncpg_dsn(url: str) -> str:
+    u = sa.make_url(url)
+    return f"postgresql://{u.username}{':' + u.password if u.password else ''}@{u.host}:{u.port or 5432}/{u.database}"
+
+
+def _pgq_seed(url: str, n: int) -> None:
+    import asyncio
+
+    import asyncpg
+    from pgqueuer import AsyncpgDriver, Queries
+
+    async def go() -> None:
+        conn = await asyncpg.connect(_asyncpg_dsn(url))
+        q = Queries(AsyncpgDriver(conn))
+        if not await q.schema_is_installed():
+            await q.install()
+        await q.clear_queue()
+        await q.clear_queue_log()
+        for i in range(0, n, 5000):
+            k = min(5000, n - i)
+            await q.enqueue(["noop"] * k, [None] * k, [0] * k)
+        await conn.close()
+
+    asyncio.run(go())
+
+
+def _setup_pgq(url: str, n_procs: int, managers: int, batch: int, use_uvloop: bool) -> Callable[[], None]:
+    import asyncio
+    from datetime import timedelta
+
+    import asyncpg
+    from pgqueuer import AsyncpgDriver, Queries, QueueManager
+    from pgqueuer.domain.types import QueueExecutionMode
+
+    if use_uvloop:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def connect() -> list[QueueManager]:
+        qms = []
+        for _ in range(managers):
+            qm = QueueManager(Queries(AsyncpgDriver(await asyncpg.connect(_asyncpg_dsn(url)))))
+
+            @qm.entrypoint("noop")
+            async def noop(job: Any) -> None:
+                return None
+
+            qms.append(qm)
+        return qms
+
+    qms = loop.run_until_complete(connect())
+
+    def drain() -> None:
+        loop.run_until_complete(asyncio.gather(*(
+            qm.run(batch_size=batch, mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1))
+            for qm in qms)))
+
+    return drain
+
+
+# -- Procrastinate --------------------------------------------------------------------------------
+
+def _proc_app(url: str) -> Any:
+    import procrastinate
+
+    u = sa.make_url(url)
+    app = procrastinate.App(connector=procrastinate.SyncPsycopgConnector(
+        conninfo=f"host={u.host} port={u.port or 5432} user={u.username} dbname={u.database}"))
+
+    @app.task(name="noop")
+    def noop() -> None:
+        return None
+
+    return app
+
+
+def _proc_seed(url: str, n: int) -> None:
+    import psycopg
+
+    u = sa.make_url(url)
+    with psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, dbname="postgres",
+                         autocommit=True) as c:
+        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (u.database,)).fetchone():
+            c.execute(f'CREATE DATABASE "{u.database}"')
+    app = _proc_app(url)
+    with app.open():
+        with psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, dbname=u.database,
+                             autocommit=True) as c:
+            installed = c.execute("SELECT to_regclass('procrastinate_jobs')").fetchone()[0]
+        if not installed:
+            app.schema_manager.apply_schema()
+        with psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, dbname=u.database,
+                             autocommit=True) as c:
+            c.execute("TRUNCATE procrastinate_jobs RESTART IDENTITY CASCADE")
+        task = app.tasks["noop"]
+        for i in range(0, n, 5000):
+            task.batch_defer(*([{}] * min(5000, n - i)))
+
+
+def _setup_procrastinate(url: str, n_procs: int) -> Callable[[], None]:
+    import procrastinate
+
+    u = sa.make_url(url)
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(
+        conninfo=f"host={u.host} port={u.port or 5432} user={u.username} dbname={u.database}"))
+
+    @app.task(name="noop")
+    def noop() -> None:
+        return None
+
+    def drain() -> None:
+        with app.open():
+            app.run_worker(wait=False, concurrency=10, listen_notify=False, install_signal_handlers=False)
+
+    return drain
+
+
+# -- huey -----------------------------------------------------------------------------------------
+
+def _huey_file(url: str) -> str:
+    return os.path.join(os.path.dirname(sa.make_url(url).database or "."), "huey.db")
+
+
+def _huey(path: str) -> tuple[Any, Any]:
+    from huey import SqliteHuey
+
+    h = SqliteHuey(filename=path)
+
+    @h.task()
+    def noop() -> None:
+        return None
+
+    return h, noop
+
+
+def _huey_seed(url: str, n: int) -> None:
+    import sqlite3
+
+    path = _huey_file(url)
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(path + suffix):
+            os.remove(path + suffix)
+    h, noop = _huey(path)
+    data = [(h.storage.name, h.serialize_task(noop.s())) for _ in range(n)]
+    h.storage.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN")
+    conn.executemany("INSERT INTO task (queue, data, priority) VALUES (?, ?, 0)", data)
+    conn.execute("COMMIT")
+    conn.close()
+
+
+def _setup_huey(url: str, n_procs: int) -> Callable[[], None]:
+    h, _ = _huey(_huey_file(url))
+
+    def drain() -> None:
+        while (task := h.dequeue()) is not None:
+            h.execute(task)
+
+    return drain
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+class Contender:
+    """A way to drain: how to seed `n` jobs, how to set a worker process up (returns its drain)."""
+
+    def __init__(self, name: str, seed: Callable[[str, int], None], setup: Callable[..., Callable[[], None]],
+                 extra: tuple[Any, ...] = (), url: str | None = None, share: int = 1) -> None:
+        self.name, self.seed, self.setup, self.extra, self.url = name, seed, setup, extra, url
+        self.share = share  # drains n // share jobs: a peer two orders of magnitude slower
+
+
+def _jobq_seed(url: str, n: int) -> None:
+    B.fresh(url).dispose()
+    eng = sa.create_engine(url)
+    B.seed(eng, n)
+    if eng.dialect.name == "postgresql":
+        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE jobs")
+    eng.dispose()
+
+
+def _installed(module: str, extra: str = "bench") -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError as e:
+        PEER_MISSING[module] = f"{module} not installed ({e}); `pip install -e .[{extra}]`"
+        return False
+
+
+def contenders(url: str, peer_url: str | None, want: set[str] | None, conc: int = 64) -> list[Contender]:
+    fam = sa.make_url(url).get_backend_name()
+    out = [Contender("ceiling", _jobq_seed, _setup_ceiling), Contender("jobq", _jobq_seed, _setup_jobq, (conc,))]
+    if fam == "postgresql" and _installed("pgqueuer") and _installed("asyncpg") and _installed("uvloop"):
+        out.append(Contender("pgqueuer-tuned", _pgq_seed, _setup_pgq, (5, 50, True)))
+        out.append(Contender("pgqueuer-defaults", _pgq_seed, _setup_pgq, (1, 10, False)))
+    if fam == "postgresql" and _installed("procrastinate"):
+        u = sa.make_url(url)
+        out.append(Contender("procrastinate", _proc_seed, _setup_procrastinate,
+                             url=peer_url or u.set(database=f"{u.database}_peer").render_as_string(False), share=10))
+    if fam == "sqlite" and _installed("huey"):
+        out.append(Contender("huey", _huey_seed, _setup_huey))
+    return [c for c in out if want is None or c.name in want]
+
+
+def measure(url: str, n: int, procs: tuple[int, ...], rounds: int, peer_url: str | None = None,
+            only: set[str] | None = None, log: Callable[[str], None] = print,
+            conc: int = 64) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Drain `n` jobs with each contender and process count, `rounds` times, alternating
+    (jobq with `conc` slots per process). Returns {(contender, processes): [(jobs/s, CPU µs
+    per job), ...]}."""
+    cs = contenders(url, peer_url, only, conc)
+    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(rounds):
+        for p in procs:
+            order = cs[r % len(cs):] + cs[:r % len(cs)]
+            for c in order:
+                u, k = c.url or url, max(500, n // c.share)
+                try:
+                    c.seed(u, k)
+                    secs, cpu = _run_procs(c.setup, (u, p, *c.extra), p)
+                except Exception as e:  # a peer that breaks is reported, not fatal to the run
+                    log(f"  {c.name} x{p}: failed: {type(e).__name__}: {e}")
+                    FAILED[(c.name, p)] = FAILED.get((c.name, p), 0) + 1
+                    continue
+                results.setdefault((c.name, p), []).append((k / secs, cpu / k * 1e6))
+                log(f"  round {r + 1} {c.name} x{p}, {k:,} jobs: {k / secs:,.0f} jobs/s, {cpu / k * 1e6:,.0f} us CPU/job")
+    return results
+
+
+def table(results: dict[tuple[str, int], list[tuple[float, float]]], procs: tuple[int, ...]) -> list[str]:
+    """Markdown rows: jobs/s (median), ratio to the ceiling and to each peer, CPU per job."""
+    med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v), len(v))
+           for k, v in results.items()}
+    names = list(dict.fromkeys(k[0] for k in results))
+    head = "| contender | " + " | ".join(f"{p} process{'es' if p > 1 else ''}" for p in procs) + " |"
+    lines = [head, "| --- |" + " --- |" * len(procs)]
+    for name in names:
+        cells = []
+        for p in procs:
+            bad = f" ({FAILED[(name, p)]} run(s) failed)" if (name, p) in FAILED else ""
+            if (name, p) not in med:
+                cells.append("failed" + bad if bad else "–")
+                continue
+            rate, cpu, k = med[(name, p)]
+            cell = f"{rate:,.0f} jobs/s, {cpu:,.0f} µs CPU/job{bad}"
+            ceil = med.get(("ceiling", p))
+            if name != "ceiling" and ceil:
+                cell += f" ({rate / ceil[0]:.2f}× ceiling)"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for peer in (x for x in names if x not in ("ceiling", "jobq")):
+        cells = []
+        for p in procs:
+            a, b = med.get(("jobq", p)), med.get((peer, p))
+            cells.append(f"**{a[0] / b[0]:.2f}×**" if a and b else "–")
+        lines.append(f"| jobq / {peer} | " + " | ".join(cells) + " |")
+    runs = sorted({v[2] for v in med.values()})
+    lines.append(f"\n(medians of {'/'.join(map(str, runs))} alternating runs)")
+    lines += [f"\n{m}" for m in PEER_MISSING.values()]
+    return lines
