@@ -8,9 +8,10 @@ What this shows:
     * atomicity: the page "/flaky" spawns its links and then fails on attempt 1; those spawns
       are deleted with the failed attempt (never fetched), attempt 2 spawns them again, and
       every page is fetched exactly once,
-    * duplicates: here the site is a tree with links back up, and a page skips the pages on its
-      own path (carried in args). Links between branches would need unique keys per URL
-      (issue 16, section 4), which this scenario does not use.
+    * duplicates: every page is spawned with unique_key="page:<url>", so a URL that two pages
+      discover while its job is unfinished (held, ready or running) is one job: the second
+      ctx.enqueue returns the first one's id. A key is free again once its job is done, so a
+      page also skips the pages on its own path (carried in args): the links back up the tree.
 
 Run:
     python scenarios/crawl_spawn.py                 # SQLite in a temp directory
@@ -60,7 +61,8 @@ def page(ctx: jobq.JobContext) -> dict:
     for link in links:
         if link in path or link == url:
             continue  # a link back up this page's own path: already crawled or being crawled
-        spawned[link] = ctx.enqueue("page", {"url": link, "path": [*path, url]}, parent=ctx.parent_id)
+        spawned[link] = ctx.enqueue("page", {"url": link, "path": [*path, url]}, parent=ctx.parent_id,
+                                    unique_key=f"page:{link}")
     if url == "/flaky" and ctx.attempt == 1:
         print(f"page {url}: spawned {sorted(spawned.values())}, then failed (attempt 1): they are discarded")
         raise RuntimeError("connection reset while saving the page")
