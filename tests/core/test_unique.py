@@ -157,16 +157,21 @@ def _waiting_for_a_lock(engine: sa.Engine) -> bool:
     return bool(n)
 
 
-def _race_with_an_uncommitted_holder(engine: sa.Engine) -> tuple[int, int]:
+def _race_with_an_uncommitted_holder(engine: sa.Engine, b_returns_first: bool = False) -> tuple[int, int]:
     """Transaction A enqueues key k and stays open; B (another connection, a thread) enqueues
-    k; once B waits on A's row (or has returned), A commits. Returns (A's id, B's id)."""
+    k; once B waits on A's row (or has returned), A commits. Returns (A's id, B's id). With
+    ``b_returns_first`` (the broken variant, which has nothing to wait on) A commits only after
+    B has returned, so B cannot have seen A's row."""
     got: list[int] = []
     with engine.connect() as a_conn:
         a_conn.begin()
         a = jobq.enqueue(a_conn, "t", unique_key="k")
         b = threading.Thread(target=lambda: got.append(jobq.enqueue(engine, "t", unique_key="k")))
         b.start()
-        wait_for(lambda: got or _waiting_for_a_lock(engine), timeout=30, what="B to wait on A's key")
+        if b_returns_first:
+            wait_for(lambda: got, timeout=30, what="B to return while A is uncommitted")
+        else:
+            wait_for(lambda: got or _waiting_for_a_lock(engine), timeout=30, what="B to wait on A's key")
         a_conn.commit()
     b.join(timeout=30)
     assert got, "B never returned"
@@ -194,7 +199,7 @@ def test_an_enqueue_racing_an_uncommitted_holder_waits_and_returns_its_id(engine
         else:
             conn.exec_driver_sql("DROP INDEX ux_jobs_unique_live_my ON jobs")
     try:
-        a, b = _race_with_an_uncommitted_holder(engine)
+        a, b = _race_with_an_uncommitted_holder(engine, b_returns_first=True)
         assert a != b and len(_live(engine, "k")) == 2  # the duplicate the index prevents
     finally:
         with engine.begin() as conn:
