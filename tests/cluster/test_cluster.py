@@ -66,9 +66,10 @@ def total(engine: sa.Engine) -> int:
         return conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar_one()
 
 
-def dag(groups: dict[str, int], boxes: int, children: int, sleep: float) -> list[dict]:
+def dag(groups: dict[str, int], boxes: int, children: int, sleep: float, spread: int = 0) -> list[dict]:
     """Per group: ``boxes`` containers of ``children`` jobs, a fan-in job after all of them; one
-    final job after every group's fan-in. Leaf args carry ``i`` (the result is 7 * i)."""
+    final job after every group's fan-in. Leaf args carry ``i`` (the result is 7 * i). With
+    ``spread`` the leaves' types are work0 .. work<spread-1> in turn (a host runs its own type)."""
     items: list[dict] = []
     i = 0
     fan_ins = []
@@ -80,7 +81,8 @@ def dag(groups: dict[str, int], boxes: int, children: int, sleep: float) -> list
             box_keys.append(bk)
             for _c in range(children):
                 i += 1
-                items.append({"key": f"{bk}-{i}", "type": "work", "parent": bk, "group_key": g,
+                items.append({"key": f"{bk}-{i}", "type": f"work{i % spread}" if spread else "work", "parent": bk,
+                              "group_key": g,
                               "args": {"i": i, "sleep": sleep}})
         i += 1
         items.append({"key": f"{g}-fanin", "type": "work", "group_key": g, "depends_on": box_keys,
@@ -123,13 +125,20 @@ def test_cap_and_dag_hold_across_hosts(hosts: Hosts, procs: list, logdir: pathli
     with instances(standby=False, sync=False) as (pg, _):
         eng = local_engine(pg.url)
         jobq.create_schema(eng)
-        jobq.submit(eng, dag({"a": 1, "b": 1, "c": 1}, boxes=3, children=25, sleep=0.02))
-        n = total(eng)
+        for i in range(len(hosts.names)):
+            for _ in range(2):
+                procs.append(start_worker(hosts, i, host_url(), logdir, "--cap", str(CAP), "--ttl", "30",
+                                          "--group-caps", json.dumps(GROUP_CAPS), "--types", f"work,work{i}"))
+        # Every worker process up before there is work: started one after another, the first
+        # host's could otherwise drain the DAG before the last host's had imported jobq.
+        wait(lambda: sum(h["ev"] == "ready" for h in read_history(logdir)) == len(procs), 120,
+             "every worker process to start")
         with Sampler(pg.url) as sampler:
-            for i in range(len(hosts.names)):
-                for _ in range(2):
-                    procs.append(start_worker(hosts, i, host_url(), logdir, "--cap", str(CAP), "--ttl", "30",
-                                              "--group-caps", json.dumps(GROUP_CAPS)))
+            # The global cap counts every worker on the database, so one fast process may hold every
+            # slot: each host gets leaves of its own type, so that all three must run jobs and the
+            # caps are contended across hosts (the fan-ins and the final job: any host).
+            jobq.submit(eng, dag({"a": 1, "b": 1, "c": 1}, boxes=3, children=25, sleep=0.02, spread=len(hosts.names)))
+            n = total(eng)
             wait(lambda: count_done(eng) == n, 180, "the DAG to drain", interval=0.2)
         rep = check(read_history(logdir), read_table(eng), cap=CAP, group_caps=GROUP_CAPS, samples=sampler.samples)
         eng.dispose()

@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=0.05)
     p.add_argument("--listen", action="store_true")
     p.add_argument("--broken", default="")
+    p.add_argument("--types", default="work", help="comma-separated job types this worker runs (all: the work handler)")
     p.add_argument("--plain-url", action="store_true", help="drop the URL's network timeouts (libpq defaults)")
     ns = p.parse_args()
     pid = os.getpid()
@@ -153,7 +154,7 @@ def main() -> None:
         jobq._lease_rows = lease_rows
 
     worker = jobq.Worker(
-        engine, {"work": work}, max_concurrency=ns.cap, group_caps=group_caps or None, lease_ttl=ns.ttl,
+        engine, {t: work for t in ns.types.split(",")}, max_concurrency=ns.cap, group_caps=group_caps or None, lease_ttl=ns.ttl,
         poll_interval=ns.poll, retry_backoff=lambda a: 0.0, shutdown_timeout=5.0, listen=ns.listen,
         on_event=on_event, worker_id=f"{ns.host}-{pid}",
     )
