@@ -85,42 +85,9 @@ def _db_now(engine: sa.Engine) -> _dt.datetime:
     return now
 
 
-def _attempts(engine: sa.Engine, job_id: int) -> list[dict[str, Any]] | None:
-    """Seam: the job's attempt history, or None where jobq does not record one."""
-    history = getattr(jobq, "attempts", None)
-    if history is None:
-        return None
-    return [_plain(a) for a in history(engine, job_id)]
-
-
-def _progress(info: Any) -> tuple[Any, Any]:
-    """Seam: a job's (progress, checkpoint), None where jobq does not record them."""
-    return getattr(info, "progress", None), getattr(info, "checkpoint", None)
-
-
-def _group_policies(engine: sa.Engine) -> dict[str, dict[str, Any]] | None:
-    """Seam: each group's stored policy (weight, cap, rate, paused), or None where group policy
-    lives only in the workers' options."""
-    groups = getattr(jobq, "groups", None)
-    if groups is None:
-        return None
-    out: dict[str, dict[str, Any]] = {}
-    for g in groups(engine):
-        row = _plain(g)
-        out[str(row.get("group_key") or row.get("name") or row.get("group"))] = row
-    return out
-
-
-class _NotStored(Exception):
-    """Group policy is not stored in this database (jobq has no set_group)."""
-
-
-def _set_paused(engine: sa.Engine, group: str, paused: bool) -> None:
-    """Seam: pause or resume a group through jobq.set_group, where jobq has it."""
-    set_group = getattr(jobq, "set_group", None)
-    if set_group is None:
-        raise _NotStored()
-    set_group(engine, group, paused=paused)
+def _group_policies(engine: sa.Engine) -> dict[str, dict[str, Any]]:
+    """Each group's stored policy (jobq.groups: weight, cap, rate, paused), by group."""
+    return {g.group_key: dataclasses.asdict(g) for g in jobq.groups(engine)}
 
 
 def _plain(value: Any) -> dict[str, Any]:
@@ -137,7 +104,7 @@ def _group_rows(engine: sa.Engine, st: Mapping[str, Any]) -> list[dict[str, Any]
     rate and paused (stored policy, where the database has it), starts in the last hour, and
     served share versus weight share over the groups with work."""
     now = st["now"]
-    policies = _group_policies(engine) or {}
+    policies = _group_policies(engine)
     names = set(st["ready_by_group"]) | set(st["in_flight"]) | set(policies)
     with engine.connect() as conn:
         starts = {g: int(n) for g, n in conn.execute(jobq._q_starts_by_group(now - _dt.timedelta(hours=1)))}
@@ -213,9 +180,8 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
     data["depends_on"] = list(info.depends_on)
     if hide_args:
         data["args"] = None
-    progress, checkpoint = _progress(info)
-    data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children, progress=progress,
-                checkpoint=checkpoint, attempt_history=_attempts(engine, job_id),
+    data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children,
+                attempt_history=[_plain(a) for a in jobq.attempts(engine, job_id)],
                 graph={"nodes": [{"id": n.id, "type": n.type, "state": n.state, "parent_id": n.parent_id,
                                   "is_container": bool(n.is_container)} for n in nodes],
                        "edges": [list(e) for e in edges]})
@@ -223,9 +189,10 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
 
 
 def group_page(engine: sa.Engine) -> dict[str, Any]:
-    """The groups page: each group's row, and whether policy is stored in the database."""
+    """The groups page: each group's row (stored policy included). ``policy_stored`` is always
+    true since schema 4 (kept for scripts that read it)."""
     st = jobq.stats(engine)
-    return {"groups": _group_rows(engine, st), "policy_stored": _group_policies(engine) is not None, "now": st["now"]}
+    return {"groups": _group_rows(engine, st), "policy_stored": True, "now": st["now"]}
 
 
 # =============================================================================================
@@ -632,10 +599,7 @@ class Dashboard:
     def _group_action(self, req: _Request, group: str, action: str) -> _Response:
         self._authorize(req)  # (PATH_INFO arrives decoded: the group name as written)
         try:
-            _set_paused(self.engine, group, action == "pause")
-        except _NotStored:
-            raise _HttpError(501, "group policy is not stored in this database: pause and cap groups in the "
-                                  "workers' options (--cap, --rate)") from None
+            jobq.set_group(self.engine, group, paused=action == "pause")
         except (jobq.InvalidJob, jobq.ConfigError) as exc:
             raise _HttpError(400, jobq._one_line(exc)) from None
         message = f"group {group}: {action}d"
