@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -52,8 +55,22 @@ def multi_host_url() -> str:
             f"&host={SERVER_ADDR}:{STANDBY_PORT}&target_session_attrs=read-write&{NET_PARAMS}")
 
 
+#: Every engine a test makes, disposed by its teardown (``engines``) even when the test fails:
+#: a connection left open would be reported as unclosed in whichever test runs next.
+_ENGINES: list[sa.Engine] = []
+
+
 def local_engine(url: str) -> sa.Engine:
-    return sa.create_engine(url, pool_pre_ping=True)
+    eng = sa.create_engine(url, pool_pre_ping=True)
+    _ENGINES.append(eng)
+    return eng
+
+
+@pytest.fixture(autouse=True)
+def engines() -> Iterator[None]:
+    yield
+    while _ENGINES:
+        _ENGINES.pop().dispose()
 
 
 def count_done(engine: sa.Engine) -> int:
@@ -344,6 +361,99 @@ def test_short_partition_runs_nothing_twice(hosts: Hosts, procs: list, logdir: p
     tally(rep)
     assert (rep.lost, rep.done_twice, rep.unexpected, rep.reruns, rep.over_cap) == ([], [], [], [], 0), rep
     assert not events_of(logdir, h0, "lease_lost")
+
+
+#: A client cut off inside a transaction, as a claim is while it holds the cap's lock row: it locks
+#: that row, prints its backend's pid and waits. With "no-keepalive" its session turns the server's
+#: dead-client probes off (0: the kernel's defaults, two hours), as a server configured without them.
+HOLDER = """
+import sys, time, psycopg
+conn = psycopg.connect(sys.argv[1], autocommit=True)
+if sys.argv[2] == "no-keepalive":
+    conn.execute("SET tcp_keepalives_idle = 0")
+    conn.execute("SET tcp_user_timeout = 0")
+conn.execute("BEGIN")
+conn.execute("SELECT value FROM jobq_meta WHERE key = 'claim_lock' FOR UPDATE")
+print(conn.info.backend_pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def hold_claim_lock(hosts: Hosts, i: int, mode: str) -> tuple[subprocess.Popen, int]:
+    """A process on host ``i`` holding the cap's lock row in an open transaction; its backend pid."""
+    conninfo = f"host={SERVER_ADDR} port={PRIMARY_PORT} dbname={DBNAME} user=postgres connect_timeout=5"
+    p = subprocess.Popen(["ip", "netns", "exec", hosts.names[i], sys.executable, "-c", HOLDER, conninfo, mode],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    with p.stdout:  # it prints nothing more
+        return p, int(p.stdout.readline())
+
+
+def lock_is_held(eng: sa.Engine) -> bool:
+    """Whether some other session holds the claim_lock row (a NOWAIT lock attempt fails)."""
+    with eng.connect() as conn:
+        try:
+            conn.execute(sa.text("SELECT value FROM jobq_meta WHERE key = 'claim_lock' FOR UPDATE NOWAIT"))
+        except sa.exc.OperationalError:
+            return True
+        finally:
+            conn.rollback()
+    return False
+
+
+def backend_alive(eng: sa.Engine, pid: int) -> bool:
+    with eng.connect() as conn:
+        return bool(conn.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}).scalar())
+
+
+def test_host_cut_off_inside_a_transaction_does_not_stall_the_others(hosts: Hosts, procs: list,
+                                                                      logdir: pathlib.Path) -> None:
+    """Host 0 is cut off while it holds the cap's lock row in an open transaction (a claim caught
+    mid-way; a heartbeat between its UPDATE and COMMIT holds job rows the same way). Every capped
+    claim of every other host waits for that row.
+
+    Correct (the server probes its clients, SERVER_DROPS_DEAD_CLIENTS): the server drops the dead
+    session within seconds, its transaction rolls back, and hosts 1 and 2 drain the queue while
+    host 0 is still cut off. Without the probes the row stays locked for the kernel's two hours
+    (the broken variant below)."""
+    with instances(standby=False, sync=False) as (pg, _):
+        eng = local_engine(pg.url)
+        jobq.create_schema(eng)
+        ids = list(jobq.submit(eng, [{"key": f"t{i}", "type": "work", "args": {"i": i}} for i in range(12)]).values())
+        holder, pid = hold_claim_lock(hosts, 0, "keepalive")
+        procs.append(holder)
+        assert lock_is_held(eng)
+        hosts.partition(0)
+        TALLY.partitions += 1
+        try:
+            for i in (1, 2):
+                procs.append(start_worker(hosts, i, host_url(), logdir, "--cap", "4", "--ttl", "3"))
+            wait(lambda: all_done(eng, ids), 90, "hosts 1 and 2 to drain the queue past the dead lock holder")
+            assert not backend_alive(eng, pid), "the work finished but the cut-off session is still there"
+        finally:
+            hosts.heal(0)
+        rep = check(read_history(logdir), read_table(eng), cap=4)
+    TALLY.notes.append(f"host cut off holding the cap's lock: its session dropped by the server; {rep.line()}")
+    tally(rep)
+    assert (rep.lost, rep.done_twice, rep.unexpected, rep.over_cap) == ([], [], [], 0), rep
+
+
+def test_without_server_probes_a_cut_off_transaction_keeps_its_locks(hosts: Hosts, procs: list) -> None:
+    """BROKEN variant: the cut-off session has the server's probes turned off. Well past the
+    bound the test above relies on (keepalives 1 s + 3 x 1 s, tcp_user_timeout 3 s), its backend
+    is still there and the lock row is still held: every capped claim would wait on it."""
+    with instances(standby=False, sync=False) as (pg, _):
+        eng = local_engine(pg.url)
+        jobq.create_schema(eng)
+        holder, pid = hold_claim_lock(hosts, 0, "no-keepalive")
+        procs.append(holder)
+        hosts.partition(0)
+        TALLY.partitions += 1
+        try:
+            time.sleep(12.0)  # three times the probes' bound: the fault's length, not a synchronisation
+            assert backend_alive(eng, pid) and lock_is_held(eng), "the server dropped the session without its probes"
+        finally:
+            hosts.heal(0)
 
 
 # ---- 3. a database failover ---------------------------------------------------------------------
