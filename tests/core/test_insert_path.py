@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
+import threading
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import orm
 
 import jobq
+from dbs import only
 from helpers import snapshot, state
 
 jobs = jobq.Job.__table__
@@ -82,3 +84,54 @@ def test_a_refused_submit_in_the_callers_transaction_writes_nothing(engine: sa.E
                                {"key": "c", "type": "t", "parent": box, "depends_on": [888_888]}])
         conn.commit()
     assert snapshot(engine) == before
+
+
+# ---- the ids submit returns -------------------------------------------------------------------
+
+
+def _mislabelled(engine: sa.Engine, ids: dict[str, int]) -> list[str]:
+    """Keys whose returned id names a row that is not theirs (each row's args carry its key)."""
+    with engine.connect() as conn:
+        args = dict(conn.execute(sa.select(jobs.c.id, jobs.c.args)).all())
+    return [k for k, i in ids.items() if (args.get(i) or {}).get("k") != k]
+
+
+def test_concurrent_submits_each_get_their_own_rows_ids(engine: sa.Engine) -> None:
+    """Four submits of 600 jobs at once (MySQL: multi-row inserts of 256, 256, 64, 16 and 8 rows,
+    their ids read as one block from LAST_INSERT_ID(); the others: RETURNING). Every returned id
+    names the row of its own key: ids handed out interleaved between the concurrent inserts
+    (what innodb_autoinc_lock_mode = 2 does to bulk inserts) would label rows of another submit."""
+    barrier = threading.Barrier(4)
+    got: dict[str, int] = {}
+
+    def one(t: int) -> None:
+        items = [{"key": f"{t}-{i}", "type": "t", "args": {"k": f"{t}-{i}"}} for i in range(600)]
+        barrier.wait()
+        got.update(jobq.submit(engine, items))
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 2400 and len(set(got.values())) == 2400
+    assert _mislabelled(engine, got) == []
+
+
+@only("mysql")  # the one engine without RETURNING (_Dialect.insert_block)
+@pytest.mark.parametrize("broken", [False, True], ids=["correct", "broken-step-1"])
+def test_submit_ids_follow_auto_increment_increment(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
+                                                    broken: bool) -> None:
+    """With auto_increment_increment = 3 (as a multi-primary setup spaces ids) a multi-row
+    insert's ids are 3 apart. BROKEN variant: ids assumed consecutive label the wrong rows."""
+    if broken:
+        monkeypatch.setattr(jobq._Dialect, "autoinc_step", lambda self, conn: 1)
+    items = [{"key": f"k{i}", "type": "t", "args": {"k": f"k{i}"}} for i in range(300)]
+    with engine.begin() as conn:
+        conn.execute(sa.text("SET SESSION auto_increment_increment = 3"))
+        try:
+            ids = jobq.submit(conn, items)
+        finally:
+            conn.execute(sa.text("SET SESSION auto_increment_increment = 1"))
+    wrong = _mislabelled(engine, ids)
+    assert (len(wrong) > 0) if broken else (wrong == []), wrong[:5]
