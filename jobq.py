@@ -801,6 +801,22 @@ def _q_window_lateral(d: _Dialect, typed: bool) -> sa.Select[Any]:
     return _prebuilt(d, f"window_lateral:{typed}", build)
 
 
+def _q_small_groups(d: _Dialect, typed: bool) -> sa.Select[Any]:
+    """The window read for groups whose whole ready set a range read of this claim has just
+    seen (_GroupScan.small: at most 8 entries per group wanted, in all): one IN-list read of
+    those entries, in claim order per group, instead of a LIMITed UNION term per group."""
+    def build() -> sa.Select[Any]:
+        stmt = sa.select(_c.group_key, _c.id, _c.weight).where(
+            _state_is("ready"), _c.group_key.in_(sa.bindparam("b_groups", type_=_NAME, expanding=True)),
+            _c.run_after <= sa.bindparam("b_now", type_=_TS))
+        if typed:
+            stmt = stmt.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
+        stmt = stmt.order_by(_c.group_key, *_CLAIM_ORDER)
+        return stmt.with_hint(_jobs, d.ready_index_hint) if d.ready_index_hint else stmt
+
+    return _prebuilt(d, f"small_groups:{typed}", build)
+
+
 def _q_lock_chosen(d: _Dialect) -> sa.Select[Any]:
     """The claim's one locking read: the chosen candidates by id, those still runnable, locked;
     rows another claim holds are skipped (that group comes up short and is re-ranked). The
@@ -3599,8 +3615,8 @@ _GROUP_CURSORS: weakref.WeakKeyDictionary[Engine, dict[Any, str]] = weakref.Weak
 class _GroupScan:
     """The groups with ready work in cycle order, from after this process's cursor, wrapping
     around, each at most once: the claim takes them a window at a time (``take``), each window
-    one bounded skip scan (two when it wraps), and leaves the cursor at the last group it took
-    ("" when it took them all)."""
+    one bounded skip scan (two when it wraps; on MySQL/MariaDB a range read first), and leaves
+    the cursor at the last group it took ("" when it took them all)."""
 
     def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None) -> None:
         self.conn, self.stmt, self.ranged = conn, _q_ready_groups(d), d.ranged_group_scan
@@ -3609,6 +3625,8 @@ class _GroupScan:
         self.start = self.pos = self.cursors.get(self.key, "")
         self.wrapped = not self.start  # from the first group: nothing to wrap to
         self.done = False  # every group with ready work was taken
+        #: Groups whose every ready entry a range read of this claim saw (few, by its bound).
+        self.small: set[str] = set()
 
     def take(self, n: int) -> list[str]:
         out: list[str] = []
@@ -3643,7 +3661,9 @@ class _GroupScan:
             entries = 8 * n  # groups of up to 8 ready jobs each come from this one read
             rows = self.conn.execute(_Q_READY_GROUPS_RANGED, {"b_after": self.pos, "b_entries": entries}).all()
             got = [g for g, _k in rows][:n]
-            if len(got) == n or sum(k for _g, k in rows) < entries:  # enough, or the end of the ready set
+            cut = sum(k for _g, k in rows) >= entries  # the last group may have more entries beyond
+            self.small.update(g for g, _k in (rows[:-1] if cut else rows))
+            if len(got) == n or not cut:  # enough, or the end of the ready set
                 return got
         after = got[-1] if got else self.pos  # the read ended inside a big group: skip past it
         return got + list(self.conn.execute(self.stmt, {"b_after": after, "b_window": n - len(got)}).scalars())
@@ -3669,10 +3689,12 @@ def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
 
 
 def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now: _dt.datetime,
-                       types: Sequence[str] | None, limit: int, into: dict[str, list[int]]) -> dict[str, tuple[list[int], int]]:
+                       types: Sequence[str] | None, limit: int, into: dict[str, list[int]],
+                       small: Collection[str] = ()) -> dict[str, tuple[list[int], int]]:
     """The window's runnable jobs, read without locks in one statement (per _WINDOW_TERMS
-    groups): group -> (its first ``limit`` ids in claim order, the largest weight among them).
-    Counting them is the claim's per-group count; the ids are what it locks once chosen."""
+    groups; one more for the ``small`` groups a range read saw whole): group -> (its first
+    ``limit`` ids in claim order, the largest weight among them). Counting them is the claim's
+    per-group count; the ids are what it locks once chosen."""
     # Each term binds the due time and the types again: SQLite counts every occurrence
     # towards its 32,766 bound parameters.
     size = _WINDOW_TERMS
@@ -3687,6 +3709,12 @@ def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now
             params["b_types"] = list(types)
         stmts.append((_q_window_lateral(d, types is not None), params))
     else:
+        if whole := [g for g in groups if g in small]:
+            params = {"b_groups": whole, "b_now": now}
+            if types is not None:
+                params["b_types"] = types
+            stmts.append((_q_small_groups(d, types is not None), params))
+            groups = [g for g in groups if g not in small]
         for chunk in _chunks(groups, size):
             n = 1 << (len(chunk) - 1).bit_length()  # padded: one prebuilt statement per power of two
             params = {f"b_g{i}": g for i, g in enumerate(chunk)}
@@ -3695,14 +3723,14 @@ def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now
                 params["b_types"] = types
             stmts.append((_q_window_candidates(d, n, types is not None), params))
     for stmt, params in stmts:
-        for g, job_id, w in conn.execute(stmt, params):
-            if g in out:
+        for g, job_id, w in conn.execute(stmt, params):  # each group's rows in claim order
+            if g not in out:
+                out[g] = [job_id], w
+            elif len(out[g][0]) < limit:
                 ids, top = out[g]
                 ids.append(job_id)
                 if w > top:
                     out[g] = ids, w
-            else:
-                out[g] = [job_id], w
     for g, (ids, _w) in out.items():
         into[g] = ids
     return out
@@ -3853,7 +3881,7 @@ def _lease_rows(
             only = groups[0]  # one group in all: nothing to share; one locking read bounded by `free`
             ready = {only: (free, 1)}
             break
-        found = {g: (len(ids), w) for g, (ids, w) in _window_candidates(conn, d, groups, now, type_list, free, candidates).items()}
+        found = {g: (len(ids), w) for g, (ids, w) in _window_candidates(conn, d, groups, now, type_list, free, candidates, scan.small).items()}
         weights = {g: p.weight for g, p in policy.items() if p.weight is not None}
         found = {g: (n, weights.get(g, w)) for g, (n, w) in found.items()}
         named = {g: r for g, r in named_rates.items() if g in found}
