@@ -703,6 +703,18 @@ def _q_ready_groups(d: _Dialect) -> sa.TextualSelect:
     return _prebuilt(d, "ready_groups", lambda: _ready_groups(d.recursion_hint))
 
 
+def _q_ready_groups_ranged() -> sa.Select[Any]:
+    """The groups among the next b_entries ready-index entries after b_after, with how many
+    entries each had there: a read bounded by entries, not groups (_GroupScan, where the
+    engine's recursion is slow per level). The last group may have more entries beyond."""
+    sub = (sa.select(_c.group_key).where(_state_is("ready"), _c.group_key > sa.bindparam("b_after", type_=_NAME))
+           .order_by(_c.group_key).limit(sa.bindparam("b_entries", type_=sa.Integer)).subquery("e"))
+    return sa.select(sub.c.group_key, sa.func.count()).group_by(sub.c.group_key).order_by(sub.c.group_key)
+
+
+_Q_READY_GROUPS_RANGED = _q_ready_groups_ranged()
+
+
 def _q_group_counts(groups: Sequence[str], now: _dt.datetime, types: Sequence[str] | None, limit: int) -> sa.CompoundSelect:
     """Per group: runnable jobs (counted up to ``limit``) and the largest weight among them.
     Reads at most ``limit`` index entries per group, never the whole ready set."""
@@ -739,6 +751,83 @@ def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
         return d.lock_skip(stmt.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
 
     return _prebuilt(d, f"candidates:{typed}", build)
+
+
+#: Group terms of one window read (_q_window_candidates), padded up to a power of two so that a
+#: few prebuilt statements serve every window size; SQLite allows 500 terms per compound SELECT.
+_WINDOW_TERMS = 256
+
+
+def _q_window_candidates(d: _Dialect, n: int, typed: bool) -> sa.Select[Any] | sa.CompoundSelect:
+    """The claim's one read of a window of ``n`` groups (b_g0 .. b_g{n-1}): per group its first
+    b_limit runnable jobs in claim order, as (group_key, id, weight), without locks (the chosen
+    ones are locked by id: _q_lock_chosen). A UNION ALL of per-group LIMITed selects,
+    parenthesised (MySQL/MariaDB refuse LIMIT in an IN subquery, and materialise a derived
+    table per term: 10 ms for 64 groups), or as derived tables where the engine takes no
+    parenthesised compound terms (SQLite: d.compound_limits). Each term walks the ready index like _q_candidates. Unused terms get
+    the group key "", which no group has (_check_name), and read one index probe."""
+    def build() -> sa.Select[Any] | sa.CompoundSelect:
+        parts = []
+        for i in range(n):
+            inner = sa.select(_c.group_key, _c.id, _c.weight).where(
+                _state_is("ready"), _c.group_key == sa.bindparam(f"b_g{i}", type_=_NAME),
+                _c.run_after <= sa.bindparam("b_now", type_=_TS))
+            if typed:
+                inner = inner.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
+            inner = inner.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer))
+            if d.compound_limits:
+                parts.append(inner.with_hint(_jobs, d.ready_index_hint) if d.ready_index_hint else inner)
+            else:
+                sub = inner.subquery(f"w{i}")
+                parts.append(sa.select(sub.c.group_key, sub.c.id, sub.c.weight))
+        return sa.union_all(*parts) if n > 1 else parts[0]
+
+    return _prebuilt(d, f"window:{n}:{typed}", build)
+
+
+def _q_window_lateral(d: _Dialect, typed: bool) -> sa.Select[Any]:
+    """_q_window_candidates as one LATERAL join over the bound array b_groups (d.lateral_arrays):
+    the same SQL text and a small plan for any window (the UNION of 64 terms took PostgreSQL
+    5 ms to plan, every claim)."""
+    def build() -> sa.Select[Any]:
+        g = sa.func.unnest(sa.bindparam("b_groups", type_=_pg.ARRAY(sa.String(200)))).table_valued("k").render_derived("g")
+        inner = sa.select(_c.group_key, _c.id, _c.weight).where(
+            _state_is("ready"), _c.group_key == g.c.k, _c.run_after <= sa.bindparam("b_now", type_=_TS))
+        if typed:
+            inner = inner.where(_c.type == sa.any_(sa.bindparam("b_types", type_=_pg.ARRAY(sa.String(200)))))
+        w = inner.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)).lateral("w")
+        return sa.select(w.c.group_key, w.c.id, w.c.weight).select_from(g).join(w, sa.true())
+
+    return _prebuilt(d, f"window_lateral:{typed}", build)
+
+
+def _q_small_groups(d: _Dialect, typed: bool) -> sa.Select[Any]:
+    """The window read for groups whose whole ready set a range read of this claim has just
+    seen (_GroupScan.small: at most 8 entries per group wanted, in all): one IN-list read of
+    those entries, in claim order per group, instead of a LIMITed UNION term per group."""
+    def build() -> sa.Select[Any]:
+        stmt = sa.select(_c.group_key, _c.id, _c.weight).where(
+            _state_is("ready"), _c.group_key.in_(sa.bindparam("b_groups", type_=_NAME, expanding=True)),
+            _c.run_after <= sa.bindparam("b_now", type_=_TS))
+        if typed:
+            stmt = stmt.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
+        stmt = stmt.order_by(_c.group_key, *_CLAIM_ORDER)
+        return stmt.with_hint(_jobs, d.ready_index_hint) if d.ready_index_hint else stmt
+
+    return _prebuilt(d, f"small_groups:{typed}", build)
+
+
+def _q_lock_chosen(d: _Dialect) -> sa.Select[Any]:
+    """The claim's one locking read: the chosen candidates by id, those still runnable, locked;
+    rows another claim holds are skipped (that group comes up short and is re-ranked). The
+    state and due checks see the latest committed row, so a candidate leased since the window
+    read is not taken twice. By primary key only: the state is tested as an expression that no
+    ready index matches (a plain `state = 'ready'` let PostgreSQL, on stale statistics, walk the
+    whole ready set through the partial index: 6 ms at 20,000 ready jobs, for 64 rows)."""
+    return _prebuilt(d, "lock_chosen", lambda: d.lock_skip(
+        sa.select(*_LEASE_COLS).where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))),
+                                      sa.func.lower(_c.state) == "ready",
+                                      _c.run_after <= sa.bindparam("b_now", type_=_TS))))
 
 
 _STATEMENTS: dict[tuple[str, str], Any] = {}
@@ -1658,6 +1747,19 @@ class _Dialect:
     #: An optimizer hint for the recursive skip scan over groups (Oracle MySQL stops recursion
     #: at cte_max_recursion_depth, 1,000 by default: one level per group with ready work).
     recursion_hint: str = ""
+    #: Each level of a recursive CTE costs about 0.25 ms (MySQL/MariaDB, 16 ms for a window of
+    #: 64 groups): the claim's group scan first reads the next few hundred ready-index entries
+    #: (_Q_READY_GROUPS_RANGED) and recurses only past groups too big for that read.
+    ranged_group_scan: bool = False
+    #: A compound SELECT may LIMIT its parenthesised terms (not SQLite).
+    compound_limits: bool = True
+    #: The ready index, named for the window read's compound terms (MySQL/MariaDB): in a UNION
+    #: term MariaDB dropped the ORDER BY ... LIMIT index choice and sorted a big group's whole
+    #: ready set (tests/core/test_priority.py catches it).
+    ready_index_hint: str = ""
+    #: LATERAL joins over unnest() of a bound array (PostgreSQL): the claim's window read is
+    #: one statement of fixed text (_q_window_lateral) instead of a UNION per window size.
+    lateral_arrays: bool = False
     #: The column that holds a job's unique_key while it is unfinished, NULL after: the key
     #: itself under a partial unique index, or MySQL/MariaDB's generated unique_live.
     live_key_column: str = "unique_key"
@@ -1813,7 +1915,7 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
     """One row per engine: everything jobq branches on is decided here."""
     if family == "postgresql":
         return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True, on_conflict=_pg.insert,
-                        key_share_locks=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
+                        key_share_locks=True, lateral_arrays=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
                         # serialization failure, deadlock, lock_not_available
                         retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True,
                         schema_lock=(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None))
@@ -1829,10 +1931,11 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                                      f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')"),
                         recursion_hint="" if family == "mariadb" else
                         "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
-                        live_key_column="unique_live")
+                        live_key_column="unique_live", ranged_group_scan=True,
+                        ready_index_hint="FORCE INDEX (ix_jobs_ready_my)")
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
     return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
-                    rowid_reuse=True, on_conflict=_sqlite.insert)
+                    rowid_reuse=True, on_conflict=_sqlite.insert, compound_limits=False)
 
 
 #: The lock concurrent create_schema calls queue on: a PostgreSQL advisory lock id ("jobq" in
@@ -2192,7 +2295,9 @@ def allocate(
     weights = weights or {}
     in_flight = in_flight or {}
     caps = caps or {}
-    last_start = last_start or {}
+    # Consulted only to take turns (scarce slots, remainder ties): the claim passes a mapping
+    # that reads the start log when first asked (_LastStarts), so it is not tested for truth.
+    last_start = {} if last_start is None else last_start
     room: dict[str, int] = {}
     for g, n in ready.items():
         cap = caps.get(g)
@@ -2213,6 +2318,8 @@ def allocate(
     idle = [g for g in groups if f[g] == 0]
     if budget < len(idle):
         return {g: 1 for g in sorted(idle, key=turn)[:budget]}
+    if budget == len(idle):  # exactly one slot per idle group: what the water-filling below gives
+        return dict.fromkeys(idle, 1)
     floor1 = {g: 1 if f[g] == 0 else 0 for g in groups}  # one slot for each idle group first
 
     # Water level L: group g wants clamp(L * w_g - in_flight_g, floor1_g, room_g). Bisect L so
@@ -2220,10 +2327,11 @@ def allocate(
     def wants(level: float) -> dict[str, float]:
         return {g: min(float(room[g]), max(float(floor1[g]), level * w[g] - f[g])) for g in groups}
 
+    terms = [(float(room[g]), float(floor1[g]), w[g], f[g]) for g in groups]  # wants(), summed without a dict
     lo, hi = 0.0, (budget + sum(f.values()) + 1.0) / min(w.values()) + 1.0
     for _ in range(64):  # ample for double precision
         mid = (lo + hi) / 2
-        if sum(wants(mid).values()) < budget:
+        if sum([min(r, max(lo1, mid * wg - fg)) for r, lo1, wg, fg in terms]) < budget:
             lo = mid
         else:
             hi = mid
@@ -2231,7 +2339,7 @@ def allocate(
     out = {g: min(room[g], max(floor1[g], math.floor(share[g] + 1e-9))) for g in groups}
     left = budget - sum(out.values())
     # Largest remainder first; ties to the group whose turn it is.
-    order = sorted(groups, key=lambda g: (-round(share[g] - math.floor(share[g] + 1e-9), 9), turn(g)))
+    order = sorted(groups, key=lambda g: (-round(share[g] - math.floor(share[g] + 1e-9), 9), turn(g))) if left else []
     while left > 0:
         progressed = False
         for g in order:
@@ -3549,16 +3657,18 @@ _GROUP_CURSORS: weakref.WeakKeyDictionary[Engine, dict[Any, str]] = weakref.Weak
 class _GroupScan:
     """The groups with ready work in cycle order, from after this process's cursor, wrapping
     around, each at most once: the claim takes them a window at a time (``take``), each window
-    one bounded skip scan (two when it wraps), and leaves the cursor at the last group it took
-    ("" when it took them all)."""
+    one bounded skip scan (two when it wraps; on MySQL/MariaDB a range read first), and leaves
+    the cursor at the last group it took ("" when it took them all)."""
 
     def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None) -> None:
-        self.conn, self.stmt = conn, _q_ready_groups(d)
+        self.conn, self.stmt, self.ranged = conn, _q_ready_groups(d), d.ranged_group_scan
         self.cursors = _GROUP_CURSORS.setdefault(conn.engine, {})
         self.key = None if types is None else tuple(sorted(types))
         self.start = self.pos = self.cursors.get(self.key, "")
         self.wrapped = not self.start  # from the first group: nothing to wrap to
         self.done = False  # every group with ready work was taken
+        #: Groups whose every ready entry a range read of this claim saw (few, by its bound).
+        self.small: set[str] = set()
 
     def take(self, n: int) -> list[str]:
         out: list[str] = []
@@ -3567,7 +3677,7 @@ class _GroupScan:
             # (1,000 by default), and a cut scan would read as the end of the groups.
             asked = min(n - len(out), 500)
             # One group more than asked: seeing the end here saves a scan that finds nothing.
-            got = list(self.conn.execute(self.stmt, {"b_after": self.pos, "b_window": asked + 1}).scalars())
+            got = self._next(asked + 1)
             if self.wrapped and self.start and any(g > self.start for g in got):
                 got = [g for g in got if g <= self.start]
             short = len(got) <= asked
@@ -3585,6 +3695,20 @@ class _GroupScan:
             # scan instead of a scan after the cursor that finds nothing and a second one.
             self.cursors[self.key] = "" if self.done else out[-1]
         return out
+
+    def _next(self, n: int) -> list[str]:
+        """Up to ``n`` groups with ready work after the position (fewer: the end of them)."""
+        got: list[str] = []
+        if self.ranged:
+            entries = 8 * n  # groups of up to 8 ready jobs each come from this one read
+            rows = self.conn.execute(_Q_READY_GROUPS_RANGED, {"b_after": self.pos, "b_entries": entries}).all()
+            got = [g for g, _k in rows][:n]
+            cut = sum(k for _g, k in rows) >= entries  # the last group may have more entries beyond
+            self.small.update(g for g, _k in (rows[:-1] if cut else rows))
+            if len(got) == n or not cut:  # enough, or the end of the ready set
+                return got
+        after = got[-1] if got else self.pos  # the read ended inside a big group: skip past it
+        return got + list(self.conn.execute(self.stmt, {"b_after": after, "b_window": n - len(got)}).scalars())
 
     def served(self, groups: Iterable[str]) -> None:
         """The next window starts after the last group (in key order) this claim leased to,
@@ -3604,6 +3728,122 @@ def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
     if lock is None:
         raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
     return _policy_counts(lock.value)
+
+
+def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now: _dt.datetime,
+                       types: Sequence[str] | None, limit: int, into: dict[str, list[int]],
+                       small: Collection[str] = ()) -> dict[str, tuple[list[int], int]]:
+    """The window's runnable jobs, read without locks in one statement (per _WINDOW_TERMS
+    groups; one more for the ``small`` groups a range read saw whole): group -> (its first
+    ``limit`` ids in claim order, the largest weight among them). Counting them is the claim's
+    per-group count; the ids are what it locks once chosen."""
+    # Each term binds the due time and the types again: SQLite counts every occurrence
+    # towards its 32,766 bound parameters.
+    size = _WINDOW_TERMS
+    while size > 1 and size * (3 + len(types or ())) > 30_000:
+        size //= 2
+    out: dict[str, tuple[list[int], int]] = {}
+    stmts: list[tuple[Any, dict[str, Any]]] = []
+    params: dict[str, Any]
+    if d.lateral_arrays:
+        params = {"b_groups": list(groups), "b_now": now, "b_limit": limit}
+        if types is not None:
+            params["b_types"] = list(types)
+        stmts.append((_q_window_lateral(d, types is not None), params))
+    else:
+        if whole := [g for g in groups if g in small]:
+            params = {"b_groups": whole, "b_now": now}
+            if types is not None:
+                params["b_types"] = types
+            stmts.append((_q_small_groups(d, types is not None), params))
+            groups = [g for g in groups if g not in small]
+        for chunk in _chunks(groups, size):
+            n = 1 << (len(chunk) - 1).bit_length()  # padded: one prebuilt statement per power of two
+            params = {f"b_g{i}": g for i, g in enumerate(chunk)}
+            params.update({f"b_g{i}": "" for i in range(len(chunk), n)}, b_now=now, b_limit=limit)
+            if types is not None:
+                params["b_types"] = types
+            stmts.append((_q_window_candidates(d, n, types is not None), params))
+    for stmt, params in stmts:
+        for g, job_id, w in conn.execute(stmt, params):  # each group's rows in claim order
+            if g not in out:
+                out[g] = [job_id], w
+            elif len(out[g][0]) < limit:
+                ids, top = out[g]
+                ids.append(job_id)
+                if w > top:
+                    out[g] = ids, w
+    for g, (ids, _w) in out.items():
+        into[g] = ids
+    return out
+
+
+class _LastStarts(Mapping[str, Any]):
+    """The window's last starts (jobq_starts), read on allocate's first question: allocate asks
+    only to take turns (fewer slots than idle groups, or ties of remainders), which a claim
+    that gives every group of its window what it wants never does."""
+
+    def __init__(self, conn: Connection, groups: Iterable[str]) -> None:
+        self.conn, self.groups = conn, sorted(groups)
+        self.read: dict[str, Any] | None = None
+
+    def _data(self) -> dict[str, Any]:
+        if self.read is None:
+            self.read = {g: t for g, t in self.conn.execute(_q_last_starts(self.groups))}
+        return self.read
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data())
+
+    def __len__(self) -> int:
+        return len(self._data())
+
+
+def _take_chosen(conn: Connection, d: _Dialect, now: _dt.datetime, free: int, ready: Mapping[str, tuple[int, float]],
+                 candidates: Mapping[str, list[int]], in_flight: dict[str, int], caps: Mapping[str, int]) -> list[Any]:
+    """Allocate the free slots over the window (fair share) and lock the chosen candidates in
+    one statement; up to three rounds when SKIP LOCKED (another claim holding some of them)
+    left groups short, each offering those groups' next candidates. Returns the locked rows,
+    group by group in key order, each group's in claim order."""
+    rows: list[Any] = []
+    took: dict[str, int] = {}  # rows taken per group by earlier rounds
+    tried: dict[str, int] = {}  # candidates per group already asked for
+    last_start = _LastStarts(conn, ready) if len(ready) > 1 else {}
+    for _ in range(3):
+        counts = allocate(
+            free - len(rows),
+            # What each group can still give: its runnable rows (already clamped to its rate
+            # room) less what earlier rounds took, and no more than its untried candidates.
+            # Offering the full count again granted a rate-limited group its room a second
+            # time when another group came up short.
+            {g: k for g, (n, _w) in ready.items()
+             if (k := min(n - took.get(g, 0), len(candidates[g]) - tried.get(g, 0))) > 0},
+            weights={g: w for g, (_n, w) in ready.items()},
+            in_flight=in_flight,
+            caps=caps,
+            last_start=last_start,
+        )
+        if not counts:
+            break
+        chosen: list[int] = []
+        for g in sorted(counts):
+            start = tried.get(g, 0)
+            chosen += candidates[g][start:start + counts[g]]
+            tried[g] = start + counts[g]
+        got = list(conn.execute(_q_lock_chosen(d), {"b_ids": chosen, "b_now": now}))
+        rank = {job_id: i for i, job_id in enumerate(chosen)}
+        got.sort(key=lambda r: rank[r.id])
+        rows += got
+        for r in got:
+            took[r.group_key] = took.get(r.group_key, 0) + 1
+            in_flight[r.group_key] = in_flight.get(r.group_key, 0) + 1
+        if len(got) == len(chosen) or len(rows) >= free:
+            break
+    rows.sort(key=lambda r: r.group_key)  # stable: rounds stay in claim order within a group
+    return rows
 
 
 def _lease_rows(
@@ -3657,8 +3897,10 @@ def _lease_rows(
     caps = dict(group_caps or {})
     stored_rates: dict[str, tuple[int, float]] = {}
     ready: dict[str, tuple[int, float]] = {}
+    candidates: dict[str, list[int]] = {}  # group -> its runnable ids in claim order (at most `free`)
     scan = _GroupScan(conn, d, type_list)
     want = max(free, CLAIM_WINDOW)
+    only: str | None = None
     while True:
         # The claim window: the next groups with ready work, as many as slots are still
         # wanted; extended past groups that turn out to have nothing runnable now (all
@@ -3678,12 +3920,10 @@ def _lease_rows(
                 if p.rate_limit is not None:
                     stored_rates[g] = p.rate_limit
         if groups and scan.done and not ready and len(groups) == 1 and not named_rates and not stored_rates:
-            # One group in all: nothing to share; its candidates' locking read is bounded by `free`.
-            found: dict[str, tuple[int, float]] = {groups[0]: (free, 1)}
-        else:
-            found = {}
-            for chunk in _chunks(groups, 50):
-                found.update({g: (n, w) for g, n, w in conn.execute(_q_group_counts(chunk, now, type_list, free)) if n})
+            only = groups[0]  # one group in all: nothing to share; one locking read bounded by `free`
+            ready = {only: (free, 1)}
+            break
+        found = {g: (len(ids), w) for g, (ids, w) in _window_candidates(conn, d, groups, now, type_list, free, candidates, scan.small).items()}
         weights = {g: p.weight for g, p in policy.items() if p.weight is not None}
         found = {g: (n, weights.get(g, w)) for g, (n, w) in found.items()}
         named = {g: r for g, r in named_rates.items() if g in found}
@@ -3701,40 +3941,13 @@ def _lease_rows(
     ready = {g: (n, w) for g, (n, w) in ready.items() if n > 0}
     if not ready:
         return []
-    last_start = {g: t for g, t in conn.execute(_q_last_starts(sorted(ready)))} if len(ready) > 1 else {}
-    rows: list[Any] = []
-    exhausted: set[str] = set()
-    took: dict[str, int] = {}  # rows taken per group by earlier rounds
-    candidates = _q_candidates(d, type_list is not None)
-    params: dict[str, Any] = {"b_now": now} if type_list is None else {"b_now": now, "b_types": type_list}
-    for _ in range(3):  # re-rank when SKIP LOCKED left a group short
-        counts = allocate(
-            free - len(rows),
-            # What each group can still give: its runnable rows (already clamped to its rate
-            # room) less what earlier rounds took. Offering the full count again granted a
-            # rate-limited group its room a second time when another group came up short.
-            {g: n - took.get(g, 0) for g, (n, _w) in ready.items() if g not in exhausted and n > took.get(g, 0)},
-            weights={g: w for g, (_n, w) in ready.items()},
-            in_flight=in_flight,
-            caps=caps,
-            last_start=last_start,
-        )
-        if not counts:
-            break
-        short = False
-        taken = {r.id for r in rows}
-        for g in sorted(counts):
-            mine = took.get(g, 0)
-            got = [r for r in conn.execute(candidates, {**params, "b_group": g, "b_limit": counts[g] + mine})
-                   if r.id not in taken][: counts[g]]
-            rows.extend(got)
-            took[g] = mine + len(got)
-            in_flight[g] = in_flight.get(g, 0) + len(got)
-            if len(got) < counts[g]:
-                exhausted.add(g)
-                short = True
-        if not short or len(rows) >= free:
-            break
+    if only is not None:
+        counts = allocate(free, {only: free}, in_flight=in_flight, caps=caps)
+        params = {"b_now": now, "b_group": only, "b_limit": counts.get(only, 0)}
+        rows = list(conn.execute(_q_candidates(d, type_list is not None), params if type_list is None else
+                                 {**params, "b_types": type_list})) if counts else []
+    else:
+        rows = _take_chosen(conn, d, now, free, ready, candidates, in_flight, caps)
     if not rows:
         return []
     scan.served(r.group_key for r in rows)

@@ -39,7 +39,8 @@ TEST_DEPS = ["-e", ".[test]"]
 # The fair-share properties and tick simulations need no database and take most of a run on a
 # machine without servers: they run in `fairness` (which CI runs), so the README's `tests` stays
 # about a minute there. Their Worker-level checks against the databases stay here.
-CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness/test_integration.py", "tests/web"]
+CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness/test_integration.py",
+               "tests/fairness/test_integration_at_scale.py", "tests/web"]
 
 
 def _env(dialects: str | None = None) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """jobq benchmark, "groups" mode: how a claim's cost grows with the groups holding ready work.
 
 Each group holds 2 ready jobs; one ``claim_batch(limit=64, max_in_flight=64)`` is timed, its
-leases released untimed, three times; the median is reported per group count.
+leases released untimed, three times (``--repeats``); the median is reported per group count.
 
 Run:
     python bench/groups.py --url postgresql+psycopg://postgres@127.0.0.1/test --groups 1,100,1000,10000
@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 import jobq
 
-GROUP_COUNTS = (1, 100, 1_000, 10_000)
+GROUP_COUNTS = (1, 100, 1_000, 10_000, 100_000)
 
 
 def _seed_groups(eng: sa.Engine, n_groups: int, per_group: int = 2) -> None:
@@ -55,12 +55,12 @@ def claim_time(url: str, n_groups: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def groups_rows(url: str, counts: tuple[int, ...] = GROUP_COUNTS) -> list[tuple[str, str]]:
+def groups_rows(url: str, counts: tuple[int, ...] = GROUP_COUNTS, repeats: int = 3) -> list[tuple[str, str]]:
     """bench.py's rows: claim time per number of groups with ready work."""
     out = []
     for n in counts:
-        secs = claim_time(url, n)
-        out.append((f"claim_batch(limit=64, max_in_flight=64), {n:,} groups x 2 ready jobs (median of 3)",
+        secs = claim_time(url, n, repeats)
+        out.append((f"claim_batch(limit=64, max_in_flight=64), {n:,} groups x 2 ready jobs (median of {repeats})",
                     f"{secs * 1000:.1f} ms"))
         print(out[-1], flush=True)
     return out
@@ -70,9 +70,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url")
     ap.add_argument("--groups", default=",".join(map(str, GROUP_COUNTS)))
+    ap.add_argument("--repeats", type=int, default=3, help="claims timed per group count (the median is shown)")
     ns = ap.parse_args()
     url = ns.url or f"sqlite:///{tempfile.mkdtemp(prefix='jobq-bench-')}/bench.db"
-    groups_rows(url, tuple(int(x) for x in ns.groups.split(",")))
+    groups_rows(url, tuple(int(x) for x in ns.groups.split(",")), ns.repeats)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def test_the_claims_read_walks_the_ready_index_in_priority_order_without_sorting
     d = jobq._prepare(engine)
     now = dt.datetime(2030, 1, 1)
     stmts = {"candidates": jobq._q_candidates(d, False).params(b_group="g", b_now=now, b_limit=10),
-             "group counts": jobq._q_group_counts(["g"], now, None, 10)}
+             "group counts": jobq._q_group_counts(["g"], now, None, 10),
+             "window candidates": jobq._q_window_candidates(d, 2, False).params(b_g0="g", b_g1="", b_now=now, b_limit=10)}
     sort_words = ("Sort", "TEMP B-TREE", "filesort")
     for name, stmt in stmts.items():
         plan = _explain(engine, stmt)

@@ -52,9 +52,10 @@ class DrainResult:
     claim_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
-def seed_jobs(engine: sa.Engine, n: int, type_: str = "race") -> list[int]:
+def seed_jobs(engine: sa.Engine, n: int, type_: str = "race", groups: int = 1) -> list[int]:
     with engine.begin() as conn:  # one transaction: seeding is not what is measured
-        return [jobq.enqueue(conn, type_, {"i": i}) for i in range(n)]
+        return [jobq.enqueue(conn, type_, {"i": i}, **({"group_key": f"g{i % groups:03d}"} if groups > 1 else {}))
+                for i in range(n)]
 
 
 def _engine(url: str, threads: int) -> sa.Engine:
@@ -195,10 +196,12 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 
 def run_drain(url: str, variant: str, tmp: pathlib.Path, *, n_jobs: int, procs: int = 3, threads: int = 4,
-              cap: int | None = None, hold: float = 0.0, batch_max: int = 4, seed: int = 1) -> DrainResult:
-    """Drain ``n_jobs`` with procs x threads claimers using ``variant``; check the logs and table."""
+              cap: int | None = None, hold: float = 0.0, batch_max: int = 4, seed: int = 1,
+              groups: int = 1) -> DrainResult:
+    """Drain ``n_jobs`` (in ``groups`` groups) with procs x threads claimers using ``variant``;
+    check the logs and table."""
     engine = sa.create_engine(url)
-    ids = seed_jobs(engine, n_jobs)
+    ids = seed_jobs(engine, n_jobs, groups=groups)
     barrier = _ctx.Barrier(procs if variant.startswith("async") else procs * threads)  # async: one wait per process
     outs = [str(tmp / f"{variant}-{seed}-p{i}.jsonl") for i in range(procs)]
     t0 = time.monotonic()

@@ -203,6 +203,19 @@ async def async_cap_outside_claim(engine, wid: str, limit: int, cap: int | None)
     return [(l.id, l.token) for l in await jobq.aio.claim_batch(engine, wid, TTL, limit=min(limit, free))]
 
 
+def _lock_by_id_only(d: jobq._Dialect) -> sa.Select:
+    return d.lock_skip(sa.select(*jobq._LEASE_COLS).where(c.id.in_(sa.bindparam("b_ids", expanding=True)),
+                                                          sa.bindparam("b_now", type_=jobq._TS).is_not(None)))
+
+
+def lock_chosen_without_recheck(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN (servers): the claim locks its chosen candidates by id without checking they are
+    still ready: a candidate another claimer leased (and committed) after this one's unlocked
+    window read is no longer locked, so it is locked and leased a second time."""
+    jobq._q_lock_chosen = _lock_by_id_only  # this claimer process only
+    return correct(engine, wid, limit, cap)
+
+
 ASYNC_VARIANTS = {"async": async_correct, "async_cap_outside_claim": async_cap_outside_claim}
 
 VARIANTS = {
@@ -217,4 +230,5 @@ VARIANTS = {
     "stored_cap_outside_claim": stored_cap_outside_claim,
     "stored_rate": stored_rate,
     "stored_rate_outside_claim": stored_rate_outside_claim,
+    "lock_chosen_without_recheck": lock_chosen_without_recheck,
 }
