@@ -956,9 +956,12 @@ _Q_SLOTS_IN_USE = sa.union_all(_Q_IN_FLIGHT_BY_GROUP, _Q_HELD_SLOTS_BY_GROUP)  #
 def _id_in(d: _Dialect, col: sa.ColumnElement[Any], ids: Any) -> sa.ColumnElement[bool]:
     """``col IN ids`` for the hot path. PostgreSQL: ``col = ANY(array)``, one bound array, so
     the SQL text is the same for any number of ids and psycopg can prepare it (an IN list is
-    new SQL for every length, parsed and planned each time)."""
+    new SQL for every length, parsed and planned each time); SQLite: a bound JSON array, the
+    same for the prebuilt statements (ids given as a bind parameter)."""
     if d.array_params:
         return col == sa.any_(ids if isinstance(ids, sa.BindParameter) else sa.literal(list(ids), _pg.ARRAY(sa.BigInteger)))
+    if isinstance(ids, sa.BindParameter) and d.json_id_lists:
+        return col.in_(sa.select(sa.func.json_each(sa.bindparam(ids.key, type_=sa.JSON())).table_valued("value").c.value))
     if isinstance(ids, sa.BindParameter):
         return col.in_(sa.bindparam(ids.key, expanding=True))
     return col.in_(list(ids))
@@ -1379,14 +1382,19 @@ def _q_release(job_id: int, owner: str | None, token: str | None, now: _dt.datet
     )
 
 
-def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime) -> sa.Insert:
+def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime
+                       ) -> tuple[sa.Insert, dict[str, Any] | None]:
     """One history row per attempt just ended by this transaction's fenced writes, (job id,
-    outcome, worker id) each, as one INSERT ... SELECT: the attempt number, start and error
-    come from the job rows, which this transaction has just written and still holds. Keep in
-    sync with the finalize/fail/release builders: done clears ``error`` (so none is copied),
-    release gives the attempt back (so its number is one more than the row's), and a release
-    leaves the previous attempt's error on the row (not this attempt's)."""
+    outcome, worker id) each, as one INSERT ... SELECT, with its parameters: the attempt
+    number, start and error come from the job rows, which this transaction has just written
+    and still holds. Keep in sync with the finalize/fail/release builders: done clears
+    ``error`` (so none is copied), release gives the attempt back (so its number is one more
+    than the row's), and a release leaves the previous attempt's error on the row (not this
+    attempt's). A batch of one worker's finishes (every tick of a busy worker) is prebuilt."""
     ids = [i for i, _o, _w in ended]
+    workers = {w for _i, _o, w in ended}
+    if len(workers) == 1 and all(o == "done" for _i, o, _w in ended):
+        return _q_record_done(d), {"b_ids": ids, "b_worker": next(iter(workers)), "b_now": now}
 
     def per_row(values: Mapping[int, Any], type_: Any) -> Any:
         if len(set(values.values())) == 1:
@@ -1401,7 +1409,16 @@ def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]]
                      sa.literal(now, _TS), per_row({i: o for i, o, _w in ended}, sa.String(16)), error
                      ).where(_id_in(d, _c.id, ids))
     return sa.insert(_attempts).from_select(
-        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"], rows)
+        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"], rows), None
+
+
+def _q_record_done(d: _Dialect) -> sa.Insert:
+    # _q_record_attempts for finishes by one worker: outcome done, no error. Keep in sync.
+    return _prebuilt(d, "record_done", lambda: sa.insert(_attempts).from_select(
+        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"],
+        sa.select(_c.id, _c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), _c.started_at,
+                  sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null())
+        .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))))
 
 
 def _q_attempt_history(job_id: int, *, last: bool = False) -> sa.Select[Any]:
@@ -1611,6 +1628,10 @@ class _Dialect:
     partial_indexes: bool = False
     #: One bound array for ``IN`` (``= ANY(:ids)``): the same SQL text for any number of ids.
     array_params: bool = False
+    #: One bound JSON array for ``IN`` (``IN (SELECT value FROM json_each(:ids))``, SQLite's
+    #: built-in JSON functions): the same SQL text for any number of ids, compiled and
+    #: prepared once, where an expanding IN list is rendered anew on every call.
+    json_id_lists: bool = False
     #: LISTEN/NOTIFY (PostgreSQL).
     notify_listen: bool = False
     #: The database's clock is this machine's clock (embedded SQLite).
@@ -1792,7 +1813,7 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                         live_key_column="unique_live")
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
     return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
-                    rowid_reuse=True, on_conflict=_sqlite.insert)
+                    rowid_reuse=True, on_conflict=_sqlite.insert, json_id_lists=version >= (3, 38))
 
 
 #: The lock concurrent create_schema calls queue on: a PostgreSQL advisory lock id ("jobq" in
@@ -3908,7 +3929,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         if n and state in TERMINAL:
             terminal.append((o.job_id, state))
     for rec in _chunks(ended):
-        conn.execute(_q_record_attempts(d, rec, now))
+        conn.execute(*_q_record_attempts(d, rec, now))
     spawners = [(o, st) for o, st in zip(outcomes, written, strict=True) if o.spawned]
     if spawners:  # before the rollups: a container no longer counts discarded spawns
         _discard_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st != "done"})
@@ -4190,6 +4211,8 @@ def _discard_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches
 
 
 _HOUSEKEEPING: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
+_SWEEP_SECONDS = 1.0  # a Worker's reclaim sweep runs at most this often (lease_ttl / 4 if less)
+_SWEEP_LIMIT = 1000  # expired leases one sweep returns; a full sweep is followed by another
 _HOUSEKEEPING_SECONDS = 5.0  # how often (per process and engine) a sweep also trims the side tables
 
 
@@ -5110,7 +5133,10 @@ class _WorkerCore:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._db_failures = 0
-        self._last_sweep = 0.0
+        self._last_sweep = -math.inf  # the first tick sweeps
+        # Reclaim runs on a cadence, not on every tick: an expired lease waits at most this long
+        # (plus a tick) for a live worker's sweep, and a busy worker saves a statement per tick.
+        self._sweep_every: float = min(self.lease_ttl / 4, _SWEEP_SECONDS)
 
     # -- public control --------------------------------------------------------------------
 
@@ -5188,22 +5214,30 @@ class _WorkerCore:
     def _tick(self) -> int:
         self._write_suspects()
         batch = self._take_finished()
+        with self._lock:
+            # Outcomes past the batch's size: written after the claim. Those that arrive during
+            # it go with the next tick's claim (their handler's return wakes the loop for it).
+            leftover = bool(self._finished)
         self._enforce_timeouts()
         with self._lock:
             local_free = self.max_concurrency - self._busy
         claiming = local_free > 0 and not self._stopping.is_set()
         # Full or stopping: claim nothing, but keep sweeping expired leases of crashed workers.
-        sweeping = claiming or time.monotonic() - self._last_sweep > min(self.lease_ttl / 2, 5.0)
-        if not sweeping:
+        began = time.monotonic()
+        sweeping = began - self._last_sweep >= self._sweep_every
+        if not sweeping and not claiming:
             self._write(batch, None)
             self._persist()  # what did not fit in one batch
             return 0
-        ok, got = self._write(batch, functools.partial(self._claim, limit=local_free if claiming else 0))
+        ok, got = self._write(batch, functools.partial(self._claim, limit=local_free if claiming else 0,
+                                                       sweep=sweeping))
         if not ok or got is None:
             return 0
-        self._persist()
-        self._last_sweep = time.monotonic()
         reclaimed, leases, stalled = got
+        if sweeping and len(reclaimed) < _SWEEP_LIMIT:
+            self._last_sweep = began  # a full sweep left more: the next tick sweeps again
+        if leftover or not claiming:
+            self._persist()
         self._lost(stalled)
         for row in reclaimed:
             _emit(self.on_event, Event("reclaimed", row.id, row.type, row.group_key, row.attempts, self.worker_id,
@@ -5217,12 +5251,13 @@ class _WorkerCore:
         return len(leases)
 
     def _claim(self, conn: Connection, d: _Dialect, now: _dt.datetime, *,
-               limit: int) -> tuple[list[Any], list[Lease], list[_Running]]:
-        """The claim half of a tick's transaction: reclaim expired leases (and, for those this
-        worker's own stalled handlers still run, hold a slot each until they return, so the
-        caps keep counting them), then lease what fits. Returns the reclaimed rows, the new
-        leases, and the stalled runs (told after the commit: this may run again on a retry)."""
-        back = _reclaim_rows(conn, d, now)
+               limit: int, sweep: bool = True) -> tuple[list[Any], list[Lease], list[_Running]]:
+        """The claim half of a tick's transaction: with ``sweep``, reclaim expired leases (and,
+        for those this worker's own stalled handlers still run, hold a slot each until they
+        return, so the caps keep counting them), then lease what fits. Returns the reclaimed
+        rows, the new leases, and the stalled runs (told after the commit: this may run again
+        on a retry)."""
+        back = _reclaim_rows(conn, d, now, _SWEEP_LIMIT) if sweep else []
         reclaimed: list[Any] = []
         mine: list[_Running] = []
         if back:
