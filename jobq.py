@@ -1347,6 +1347,23 @@ def _q_finish_batch_same(d: _Dialect) -> sa.Update:
     ))
 
 
+def _q_finish_recorded(d: _Dialect) -> sa.CompoundSelect:
+    """_q_finish_batch_same, _q_record_done and _q_dependent_counts as one statement (d.dml_ctes),
+    same parameters plus ``b_worker``: a row (None, rows finished), then (dependent, how many of
+    ``b_ids`` it depends on). Keep in sync with the three."""
+    def build() -> sa.CompoundSelect:
+        fin = _q_finish_batch_same(d).returning(_c.id, _c.attempts, _c.started_at).cte("fin")
+        rec = sa.insert(_attempts).from_select(
+            ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"],
+            sa.select(fin.c.id, fin.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), fin.c.started_at,
+                      sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null()),
+        ).returning(_attempts.c.job_id).cte("rec")
+        landed = sa.select(sa.cast(sa.null(), sa.BigInteger).label("job_id"),
+                           sa.select(sa.func.count()).select_from(rec).scalar_subquery().label("n"))
+        return sa.union_all(landed, _q_dependent_counts(d))
+    return _prebuilt(d, "finish_recorded", build)
+
+
 def _q_landed(ids: Sequence[int], now: _dt.datetime, tokens: Iterable[str | None]) -> sa.Select[Any]:
     # After a batch finish refused some rows: the rows it did finish carry exactly this `now`.
     return sa.select(_c.id, _c.lease_token).where(_c.id.in_(ids), _state_is("done"), _c.finished_at == now,
@@ -1632,6 +1649,9 @@ class _Dialect:
     #: built-in JSON functions): the same SQL text for any number of ids, compiled and
     #: prepared once, where an expanding IN list is rendered anew on every call.
     json_id_lists: bool = False
+    #: Data-modifying statements inside WITH (PostgreSQL): a batch's finish, its history rows
+    #: and its dependents count go to the server as one statement, one round trip.
+    dml_ctes: bool = False
     #: LISTEN/NOTIFY (PostgreSQL).
     notify_listen: bool = False
     #: The database's clock is this machine's clock (embedded SQLite).
@@ -1793,7 +1813,8 @@ class _Dialect:
 def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
     """One row per engine: everything jobq branches on is decided here."""
     if family == "postgresql":
-        return _Dialect(family, version, partial_indexes=True, array_params=True, notify_listen=True, on_conflict=_pg.insert,
+        return _Dialect(family, version, partial_indexes=True, array_params=True, dml_ctes=True, notify_listen=True,
+                        on_conflict=_pg.insert,
                         key_share_locks=True, now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
                         # serialization failure, deadlock, lock_not_available
                         retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True,
@@ -3885,6 +3906,8 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     ended: list[tuple[int, str, str | None]] = []  # attempts this transaction ended: history rows
     fast = [o for o in outcomes if o.kind == "done" and o.owner is not None and o.token is not None]
     landed: set[tuple[int, str | None]] = set()  # (job, token): one batch may hold two dispatches of a job
+    recorded = False  # the landed rows' history rows are written already (with the finish)
+    counted: dict[int, int] | None = None  # their dependents' counts, read with the finish
     if len(fast) > 1:
         # Fast path: one UPDATE per claim batch (lease token) and up to 500 rows, each row
         # still fenced by that token; only if some rows were refused, find out which.
@@ -3895,18 +3918,26 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         for (owner, token), group in by_lease.items():
             for part in _chunks(group):
                 stmt, params = _q_finish_batch(d, part, owner, token, now)
-                n += conn.execute(stmt, params).rowcount
+                if params is not None and d.dml_ctes and len(part) == len(outcomes):
+                    # The whole batch is one statement: finish, history and dependents in one round trip.
+                    got = conn.execute(_q_finish_recorded(d), {**params, "b_worker": owner}).all()
+                    n += next(k for j, k in got if j is None)
+                    recorded, counted = True, {j: k for j, k in got if j is not None}
+                else:
+                    n += conn.execute(stmt, params).rowcount
         ids = [o.job_id for o in fast]
         if n == len(fast):
             landed = {(o.job_id, o.token) for o in fast}
         else:  # rows these statements finished carry exactly this `now`; the others go one by one
+            counted = None  # counted for every id, not only those that landed: _settle counts again
             for chunk in _chunks(ids):
                 landed.update((i, t) for i, t in conn.execute(_q_landed(chunk, now, {o.token for o in fast})))
     for o in outcomes:
         if (o.job_id, o.token) in landed and o.kind == "done":
             written.append("done")
             terminal.append((o.job_id, "done"))
-            ended.append((o.job_id, "done", o.owner))
+            if not recorded:
+                ended.append((o.job_id, "done", o.owner))
             continue
         if o.kind == "done":
             n = conn.execute(_q_finish(o.job_id, o.owner, o.token, o.result, now)).rowcount
@@ -3940,7 +3971,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     if spawners:  # before the rollups: a container no longer counts discarded spawns
         _discard_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st != "done"})
     if terminal:
-        _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1})
+        _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1}, counted)
     if spawners:  # after: the spawner is done and counted, its held jobs are work now
         _release_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st == "done"})
     return written
@@ -4029,14 +4060,15 @@ def _chunks(items: Sequence[_K], size: int = 500) -> Iterable[Sequence[_K]]:
 
 
 def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[tuple[int, str]],
-            known_parents: Mapping[int, int | None] | None = None) -> None:
+            known_parents: Mapping[int, int | None] | None = None, counted: Mapping[int, int] | None = None) -> None:
     """Propagate jobs that just became terminal, in the transaction that made them so.
 
     done: each dependent's pending count drops; a waiting job that reaches 0 becomes ready (a
     container opens, releasing its children). failed/cancelled: waiting dependents, and the
     waiting subtree of a failed container, end in the same state naming the cause, which
     ``closed_by`` records. Either way the parent container counts the child, and rolls up when
-    it was the last. A work list, never recursion: chains and nests of any depth.
+    it was the last. A work list, never recursion: chains and nests of any depth. ``counted``:
+    the dependents' counts of the events' done jobs, when the caller read them already.
     """
     todo: deque[tuple[int, str]] = deque(events)
     known = known_parents or {}
@@ -4064,10 +4096,14 @@ def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[t
                 conn.execute(_q_roll_up(pid, state, err, now))
                 todo.append((pid, state))
         # -- dependents
-        for chunk in _chunks([i for i, s in batch if s == "done"]):
+        if counted is not None:  # the first round's, read with the finish
+            if _release_pending(conn, now, counted):
+                d.notify(conn)
+        for chunk in _chunks([i for i, s in batch if s == "done"] if counted is None else []):
             counts: dict[int, int] = dict(conn.execute(_q_dependent_counts(d), {"b_ids": list(chunk)}).all())
             if _release_pending(conn, now, counts):
                 d.notify(conn)
+        counted = None
         for bad_state in _BAD:
             for chunk in _chunks([i for i, s in batch if s == bad_state]):
                 by_upstream: dict[int, int] = dict(conn.execute(_q_first_upstream(chunk)).all())
