@@ -3748,7 +3748,8 @@ def _lease_rows(
     per_group: dict[str, int] = {}
     for r in rows:
         per_group[r.group_key] = per_group.get(r.group_key, 0) + 1
-    conn.execute(_Q_LOG_STARTS, [{"group_key": g, "started_at": now, "n": k} for g, k in sorted(per_group.items())])
+    starts = [{"group_key": g, "started_at": now, "n": k} for g, k in sorted(per_group.items())]
+    conn.execute(_Q_LOG_STARTS, starts[0] if len(starts) == 1 else starts)  # one row: no executemany
     # One Lease per claimed row, its fields set directly: the frozen dataclass's __init__ (an
     # object.__setattr__ per field) took 3.8 us a row, this 0.8 us. Keep in sync with Lease
     # (tests/core/test_lifecycle.py compares the two).
