@@ -5783,8 +5783,9 @@ class Worker(_WorkerCore):
     """Runs handlers for runnable jobs, within a global concurrency cap, until stopped.
 
     Each tick persists finished jobs, enforces timeouts, then in one transaction reclaims
-    expired leases, ranks the ready set by fair share and leases what fits under the caps,
-    and dispatches the leases. A heartbeat thread renews the leases while handlers run.
+    expired leases (at the first tick, then every ``min(lease_ttl / 4, 1 s)``), ranks the
+    ready set by fair share and leases what fits under the caps, and dispatches the leases. A
+    heartbeat thread renews the leases while handlers run.
 
     Args:
         engine: the queue's Engine (``pool_pre_ping=True`` is advisable for servers).
