@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 
 import pytest
@@ -36,6 +37,19 @@ def test_only_runnable_leaves_are_claimed(engine: sa.Engine) -> None:
     assert [l.id for l in leases] == [up]
     assert state(engine, box) == "waiting" and state(engine, down) == "waiting"
     assert state(engine, other) == "ready"
+
+
+def test_a_claimed_lease_is_the_same_as_one_built_by_its_constructor(engine: sa.Engine) -> None:
+    """The claim sets each Lease's fields directly (faster than the frozen dataclass's
+    __init__). Correct: every field is set, to what the constructor would store, and the lease
+    is as immutable as any. A field added to Lease but not to the claim fails here."""
+    jid = jobq.enqueue(engine, "t", {"n": 1}, timeout=5)
+    lease = jobq.claim_batch(engine, "w", 30)[0]
+    again = jobq.Lease(**{f.name: getattr(lease, f.name) for f in dataclasses.fields(jobq.Lease)})
+    assert lease == again and vars(lease) == vars(again)
+    assert (lease.id, lease.args, lease.attempt, lease.timeout, lease.worker_id) == (jid, {"n": 1}, 1, 5.0, "w")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lease.attempt = 2  # type: ignore[misc]
 
 
 def test_ready_set_is_a_plain_select_of_due_jobs(engine: sa.Engine) -> None:
@@ -255,3 +269,38 @@ def test_a_batched_finalize_of_identical_results_is_fenced_too(engine: sa.Engine
         written = jobq._apply_outcomes(conn, jobq._prepare(engine), outcomes, db_now(engine))
     assert written == [None if l.id == ids[0] else "done" for l in leases]
     assert [state(engine, j) for j in ids] == ["leased", "done", "done", "done"]
+
+
+@pytest.mark.parametrize("refused", ["none", "cancelled", "stolen"])
+def test_a_batched_finalize_records_each_attempt_once_and_releases_only_done_dependents(
+    engine: sa.Engine, refused: str
+) -> None:
+    """One claim's no-op results finalized together (on PostgreSQL the finish, the history rows
+    and the dependents count are one statement). Correct: every job that lands is done with
+    exactly one history row, and its dependent becomes ready; a job the fence refuses (cancel
+    requested meanwhile; or its lease expired and another worker holds it now) gets no row
+    from this finalize, and its dependent is not released. A bug would show as a second
+    history row for a landed job (written with the finish and again after it), or as the
+    dependent of a refused job released by counts read for the whole batch."""
+    ups = [jobq.enqueue(engine, "t") for _ in range(4)]
+    downs = [jobq.enqueue(engine, "later", depends_on=[u]) for u in ups]
+    leases = jobq.claim_batch(engine, "w1", 30, limit=4, types=["t"])
+    assert sorted(l.id for l in leases) == ups and len({l.token for l in leases}) == 1
+    if refused == "cancelled":
+        jobq.cancel(engine, ups[0])
+    elif refused == "stolen":
+        expire_leases(engine, ups[0])
+        jobq.reclaim(engine)
+        assert [l.id for l in jobq.claim_batch(engine, "w2", 30, types=["t"])] == [ups[0]]
+    outcomes = [jobq._Outcome(l.id, "w1", l.token, "done") for l in sorted(leases, key=lambda l: l.id)]
+    with engine.begin() as conn:
+        written = jobq._apply_outcomes(conn, jobq._prepare(engine), outcomes, db_now(engine))
+    first = {"none": "done", "cancelled": "cancelled", "stolen": None}[refused]
+    assert written == [first, "done", "done", "done"]
+    assert [state(engine, j) for j in ups] == [first or "leased", "done", "done", "done"]
+    assert [state(engine, j) for j in downs] == [{"none": "ready", "cancelled": "cancelled", "stolen": "waiting"}[refused],
+                                                 "ready", "ready", "ready"]
+    history = {"none": [(1, "done")], "cancelled": [(1, "cancelled")], "stolen": [(1, "reclaimed")]}[refused]
+    assert [(a.attempt, a.outcome) for a in jobq.attempts(engine, ups[0])] == history
+    for j in ups[1:]:
+        assert [(a.attempt, a.outcome) for a in jobq.attempts(engine, j)] == [(1, "done")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import FAST, peak_overlap, state, wait_for
+from helpers import FAST, db_now, peak_overlap, state, wait_for
 
 
 class Recorder:
@@ -286,3 +287,35 @@ def test_worker_options_are_checked(engine: sa.Engine) -> None:
     b = jobq.Worker(engine, h, max_concurrency=1)
     assert a.worker_id != b.worker_id  # a restarted worker never inherits an old lease
     assert a.heartbeat_interval == pytest.approx(10.0)
+
+
+class _SweepsOnlyAtStart(jobq.Worker):
+    """Broken variant of the reclaim cadence: the first tick sweeps, later ones never do."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._sweep_every = float("inf")
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["cadence", "broken-sweeps-only-at-start"])
+def test_a_running_worker_reclaims_a_lease_that_expires_after_its_first_sweep(engine: sa.Engine, broken: bool) -> None:
+    """A worker sweeps expired leases at its first tick and then every min(lease_ttl / 4, 1 s),
+    not on every tick. Correct: a job claimed after the worker started by a holder that then
+    stalls is reclaimed by one of that worker's later sweeps and finishes on attempt 2. The bug
+    this catches (the broken variant, which sweeps only at start): the job stays leased to its
+    dead holder while the worker keeps ticking beside it."""
+    w = (_SweepsOnlyAtStart if broken else jobq.Worker)(engine, {"t": lambda ctx: None}, max_concurrency=2,
+                                                          worker_id="w", **FAST)
+    assert w.tick() == 0  # the first sweep: nothing to reclaim yet
+    jid = jobq.enqueue(engine, "t")
+    assert jobq.claim(engine, "stalled", 0.2) == jid  # its holder never reports back
+    wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc),
+             what="the stalled lease to expire")
+    # The broken worker never sweeps again: it ticks for twice the sweep interval, then gives up.
+    assert w.run_until_idle(timeout=2.0 if broken else 30) is not broken
+    info = jobq.get(engine, jid)
+    assert info is not None
+    if broken:
+        assert (info.state, info.lease_owner) == ("leased", "stalled")
+    else:
+        assert (info.state, info.attempts) == ("done", 2)
