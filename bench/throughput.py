@@ -86,6 +86,35 @@ def _now(fam: str) -> Any:
     return B.jobq._utcnow().replace(tzinfo=None)  # jobq's timestamps are naive UTC
 
 
+def _my_claim(cur: Any, token: str, now: Any) -> list[Any]:
+    cur.execute(f"{_CLAIM_SELECT.format(cols='id, type, args')} FOR UPDATE SKIP LOCKED")
+    rows = list(cur.fetchall())
+    if rows:
+        ids = ",".join(str(r[0]) for r in rows)
+        cur.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='%s', t='true')} WHERE id IN ({ids})", (token, now))
+    return rows
+
+
+def _my_finish(cur: Any, ids: list[int], token: str, now: Any) -> None:
+    cur.execute(f"UPDATE jobs SET {_DONE_SET.format(p='%s', f='false')} WHERE id IN "
+                f"({','.join(map(str, ids))}) AND lease_token = %s", ("{}", now, token))
+
+
+def _retry_deadlock(conn: Any, work: Callable[[Any], Any]) -> Any:
+    """MySQL/MariaDB: run ``work`` in a transaction, again after a deadlock (1213), as any
+    client of InnoDB must; the ceiling's two processes deadlock now and then."""
+    while True:
+        try:
+            with conn.cursor() as cur:
+                out = work(cur)
+            conn.commit()
+            return out
+        except Exception as exc:  # noqa: BLE001 - only a deadlock is retried
+            if getattr(exc, "args", (None,))[0] != 1213:
+                raise
+            conn.rollback()
+
+
 def _ceiling_loop(url: str) -> int:
     """Drain jobq's table with the least work a fenced batch queue can do; returns jobs done."""
     conn, fam = _dbapi_connect(url)
@@ -106,14 +135,7 @@ def _ceiling_loop(url: str) -> int:
                                 f"({_CLAIM_SELECT.format(cols='id')}) RETURNING id, type, args", (token, now)).fetchall()
             conn.execute("COMMIT")
         else:
-            with conn.cursor() as cur:
-                cur.execute(f"{_CLAIM_SELECT.format(cols='id, type, args')} FOR UPDATE SKIP LOCKED")
-                rows = cur.fetchall()
-                if rows:
-                    ids = ",".join(str(r[0]) for r in rows)
-                    cur.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='%s', t='true')} WHERE id IN ({ids})",
-                                (token, now))
-            conn.commit()
+            rows = _retry_deadlock(conn, functools.partial(_my_claim, token=token, now=now))
         if not rows:
             break
         for _id, _type, args in rows:
@@ -131,10 +153,7 @@ def _ceiling_loop(url: str) -> int:
                          f"({','.join('?' * len(ids))}) AND lease_token = ?", ("{}", now, *ids, token))
             conn.execute("COMMIT")
         else:
-            with conn.cursor() as cur:
-                cur.execute(f"UPDATE jobs SET {_DONE_SET.format(p='%s', f='false')} WHERE id IN "
-                            f"({','.join(map(str, ids))}) AND lease_token = %s", ("{}", now, token))
-            conn.commit()
+            _retry_deadlock(conn, functools.partial(_my_finish, ids=ids, token=token, now=now))
         done += len(ids)
     conn.close()
     return done
