@@ -3506,8 +3506,14 @@ def _check_rate_spec(value: Any, what: str) -> tuple[int, float]:
             value = (int(count), _seconds(per, what, unit=False, zero=False))
         except (ValueError, argparse.ArgumentTypeError):
             raise ConfigError(f"{what} must look like N/PERIOD (10/1m, 5/30s), got {text!r}") from None
+    return _check_rate_pair(value, what, "(starts, per_seconds) or 'N/PERIOD'")
+
+
+def _check_rate_pair(value: Any, what: str, forms: str) -> tuple[int, float]:
+    """A rate limit as (starts, per_seconds): the checks stored policy (_check_rate_spec) and a
+    Worker's rate_limits (_check_rate_limits) share; ``forms`` names what ``what`` accepts."""
     if not isinstance(value, tuple) or len(value) != 2:
-        raise ConfigError(f"{what} must be (starts, per_seconds) or 'N/PERIOD', got {value!r}")
+        raise ConfigError(f"{what} must be {forms}, got {value!r}")
     n = _check_int(value[0], f"{what} starts", 1, 1_000_000, ConfigError)
     period = _check_seconds(value[1], f"{what} period", ConfigError, optional=False)
     assert period is not None
@@ -3673,14 +3679,8 @@ def _rate_room(
 def _check_rate_limits(limits: Mapping[str, Any] | None) -> dict[str, tuple[int, float]]:
     out: dict[str, tuple[int, float]] = {}
     for g, spec in (limits or {}).items():
-        if not isinstance(spec, tuple) or len(spec) != 2:
-            raise ConfigError(f"rate_limits[{g!r}] must be (starts, per_seconds), got {spec!r}")
-        n = _check_int(spec[0], f"rate_limits[{g!r}] starts", 1, 1_000_000, ConfigError)
-        period = _check_seconds(spec[1], f"rate_limits[{g!r}] period", ConfigError, optional=False)
-        assert period is not None
-        if period > START_LOG_RETENTION.total_seconds():
-            raise ConfigError(f"rate_limits[{g!r}] period is longer than START_LOG_RETENTION")
-        out[_check_name(g, "rate_limits group")] = (n, period)
+        pair = _check_rate_pair(spec, f"rate_limits[{g!r}]", "(starts, per_seconds)")
+        out[_check_name(g, "rate_limits group")] = pair
     return out
 
 

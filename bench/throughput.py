@@ -281,11 +281,14 @@ def _setup_pgq(url: str, n_procs: int, managers: int, batch: int, use_uvloop: bo
 
 # -- Procrastinate --------------------------------------------------------------------------------
 
-def _proc_app(url: str) -> Any:
+def _proc_app(url: str, sync: bool = True) -> Any:
+    """Procrastinate's app with its one no-op task: the sync connector seeds, the async one runs
+    the worker."""
     import procrastinate
 
     u = sa.make_url(url)
-    app = procrastinate.App(connector=procrastinate.SyncPsycopgConnector(
+    connector = procrastinate.SyncPsycopgConnector if sync else procrastinate.PsycopgConnector
+    app = procrastinate.App(connector=connector(
         conninfo=f"host={u.host} port={u.port or 5432} user={u.username} dbname={u.database}"))
 
     @app.task(name="noop")
@@ -319,15 +322,7 @@ def _proc_seed(url: str, n: int) -> None:
 
 
 def _setup_procrastinate(url: str, n_procs: int) -> Callable[[], None]:
-    import procrastinate
-
-    u = sa.make_url(url)
-    app = procrastinate.App(connector=procrastinate.PsycopgConnector(
-        conninfo=f"host={u.host} port={u.port or 5432} user={u.username} dbname={u.database}"))
-
-    @app.task(name="noop")
-    def noop() -> None:
-        return None
+    app = _proc_app(url, sync=False)
 
     def drain() -> None:
         with app.open():

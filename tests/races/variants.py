@@ -107,16 +107,22 @@ def rate_limited(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> li
     return [(l.id, l.token) for l in leases]
 
 
-def rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
-    """BROKEN: counts the window's starts in one transaction and claims in the next, so
-    claimers that count at the same moment all spend the same room."""
+def _rate_room_apart(engine: sa.Engine) -> int:
+    """The broken rate variants' mistake: RATE's room counted from the start log in a
+    transaction of its own, apart from the claim that spends it."""
     n, period = RATE
     with engine.begin() as conn:
         now = jobq._prepare(engine).db_now(conn)
         starts = jobq._starts
         used = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(starts.c.n), 0))
                             .where(starts.c.started_at > now - dt.timedelta(seconds=period))).scalar_one()
-    room = n - int(used)
+    return n - int(used)
+
+
+def rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: counts the window's starts in one transaction and claims in the next, so
+    claimers that count at the same moment all spend the same room."""
+    room = _rate_room_apart(engine)
     if room <= 0:
         return []
     return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, room), max_in_flight=cap)]
@@ -173,13 +179,7 @@ def stored_rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int 
     """BROKEN: reads the stored rate and counts the window's starts in one transaction, and
     claims (without consulting the policy again) in the next."""
     _store_policy(engine, rate_limit=RATE)
-    n, period = RATE  # as stored (a get_group per claim would only slow the drain)
-    with engine.begin() as conn:
-        now = jobq._prepare(engine).db_now(conn)
-        starts = jobq._starts
-        used = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(starts.c.n), 0))
-                            .where(starts.c.started_at > now - dt.timedelta(seconds=period))).scalar_one()
-    room = n - int(used)
+    room = _rate_room_apart(engine)  # RATE as stored (a get_group per claim would only slow the drain)
     if room <= 0:
         return []
     _policy_outside_claim()
