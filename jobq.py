@@ -1324,26 +1324,50 @@ def _q_closed_dependents(job_id: int) -> sa.Select[Any]:
     )
 
 
+def _lease_values() -> dict[str, Any]:
+    """What a lease writes into each claimed row (_q_lease and _q_lock_and_lease)."""
+    return dict(
+        state=sa.bindparam("b_state", type_=sa.String(16)),
+        lease_owner=sa.bindparam("b_owner", type_=sa.String(200)),
+        lease_token=sa.bindparam("b_token", type_=sa.String(32)),
+        lease_expires=sa.bindparam("b_expires", type_=_TS),
+        heartbeat_at=sa.bindparam("b_now", type_=_TS),
+        started_at=sa.bindparam("b_now", type_=_TS),
+        attempts=_c.attempts + 1,
+        in_flight=True,
+        cancel_requested=False,
+        updated_at=sa.bindparam("b_now", type_=_TS),
+    )
+
+
 def _q_lease(d: _Dialect) -> sa.Update:
     # By primary key only: the claim holds these rows locked (or SQLite's write lock) since it
     # read them as ready, and checks the row count. A `state = 'ready'` here let PostgreSQL, on
     # stale statistics, walk the whole ready set through a state index (10 ms per claim at 20k).
     return _prebuilt(d, "lease", lambda: (
-        sa.update(_jobs)
-        .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))
-        .values(
-            state=sa.bindparam("b_state", type_=sa.String(16)),
-            lease_owner=sa.bindparam("b_owner", type_=sa.String(200)),
-            lease_token=sa.bindparam("b_token", type_=sa.String(32)),
-            lease_expires=sa.bindparam("b_expires", type_=_TS),
-            heartbeat_at=sa.bindparam("b_now", type_=_TS),
-            started_at=sa.bindparam("b_now", type_=_TS),
-            attempts=_c.attempts + 1,
-            in_flight=True,
-            cancel_requested=False,
-            updated_at=sa.bindparam("b_now", type_=_TS),
-        )
+        sa.update(_jobs).where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))
+        .values(**_lease_values())
     ))
+
+
+def _q_lock_and_lease(d: _Dialect, name: str, lock: Callable[[], sa.Select[Any]]) -> sa.Select[Any]:
+    """A claim's locking read, the lease of the rows it locked and their start log, as one
+    statement (d.dml_ctes; one round trip instead of three): ``lock()`` builds the locking read
+    (_q_candidates or _q_lock_chosen), whose parameters this takes plus _q_lease's. Returns the
+    locked rows as they were read (attempts before this lease), in claim order. Keep in sync
+    with _q_lease and _Q_LOG_STARTS."""
+    def build() -> sa.Select[Any]:
+        locked = lock().add_columns(_c.priority, _c.run_after).cte("locked")
+        leased = (sa.update(_jobs).where(_c.id == locked.c.id).values(**_lease_values())
+                  .returning(*locked.c).cte("leased"))
+        logged = sa.insert(_starts).from_select(
+            ["group_key", "started_at", "n"],
+            sa.select(leased.c.group_key, sa.bindparam("b_now", type_=_TS), sa.func.count()).group_by(leased.c.group_key),
+        ).cte("logged")
+        cols = [leased.c[col.name] for col in _LEASE_COLS]
+        return (sa.select(*cols).add_cte(logged)
+                .order_by(leased.c.priority.desc(), leased.c.run_after, leased.c.id))
+    return _prebuilt(d, f"lock_and_lease:{name}", build)
 
 
 _Q_LOG_STARTS = sa.insert(_starts)
@@ -1356,10 +1380,23 @@ _Q_SET_CLAIM_LOCK_VALUE = (
 )
 
 
-def _q_lock_claim(d: _Dialect) -> sa.Select[Any]:
+def _q_lock_claim(d: _Dialect, pin: bool = False) -> sa.Select[Any]:
     """The capped claim's serialisation point: the claim_lock row, locked (waiting) for the
-    rest of the transaction."""
-    return _prebuilt(d, "lock_claim", lambda: d.lock_wait(_Q_LOCK_CLAIM))
+    rest of the transaction. With ``pin``, the same statement pins this transaction's plans
+    (_Q_PIN_PLANS' settings), one round trip fewer."""
+    return _prebuilt(d, f"lock_claim:{pin}", lambda: d.lock_wait(_Q_LOCK_CLAIM.add_columns(*_PIN_SETTINGS) if pin
+                                                                 else _Q_LOCK_CLAIM))
+
+
+def _q_claim_lock_value(pin: bool) -> sa.Select[Any]:
+    """_Q_CLAIM_LOCK_VALUE, with ``pin`` also pinning this transaction's plans (_q_lock_claim)."""
+    return _Q_CLAIM_LOCK_VALUE_PIN if pin else _Q_CLAIM_LOCK_VALUE
+
+
+#: PostgreSQL's planner settings for the rest of a claim's transaction (_Dialect.pin_index_plans).
+_PIN_SETTINGS = (sa.func.set_config("enable_seqscan", "off", sa.true()), sa.func.set_config("jit", "off", sa.true()))
+_Q_PIN_PLANS = sa.select(*_PIN_SETTINGS)
+_Q_CLAIM_LOCK_VALUE_PIN = _Q_CLAIM_LOCK_VALUE.add_columns(*_PIN_SETTINGS)
 
 
 # ---- finalize / fail / release ----------------------------------------------------------------
@@ -1858,9 +1895,20 @@ class _Dialect:
         made the planner read the whole table instead, on every tick. JIT goes off with it:
         a disabled seq scan is costed so high that JIT compilation (about 100 ms) would start
         on every tick. Once per transaction."""
-        if self.tunable and conn.info.get("jobq_pinned") is not conn.get_transaction():
-            conn.exec_driver_sql("SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)")
-            conn.info["jobq_pinned"] = conn.get_transaction()
+        if self.pin_wanted(conn):
+            conn.execute(_Q_PIN_PLANS)
+            self.pinned(conn)
+
+    def pin_wanted(self, conn: Connection) -> bool:
+        """This transaction's plans are still to be pinned (pin_index_plans): a claim then
+        pins them with its first statement (_q_lock_claim) and calls ``pinned``."""
+        if not self.tunable:
+            return False
+        current = conn.get_transaction()  # None before the first statement begins one
+        return current is None or conn.info.get("jobq_pinned") is not current
+
+    def pinned(self, conn: Connection) -> None:
+        conn.info["jobq_pinned"] = conn.get_transaction()
 
     def tune_tables(self, conn: Connection) -> None:
         """Storage settings for a high-churn queue table (PostgreSQL): room on each page for
@@ -3761,13 +3809,14 @@ class _GroupScan:
             self.cursors[self.key] = max(groups)
 
 
-def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
+def _lock_claim(conn: Connection, d: _Dialect, pin: bool = False) -> tuple[int, int]:
     """Take the cap's serialisation point; returns the stored policy counts it carries.
 
     SKIP LOCKED alone lets two claimers skip each other's rows and both spend the last free
     slot; this row lock (or SQLite's write lock) makes counting and leasing one atomic step.
-    set_group takes it too, so a claim reads a group's policy as of its last change."""
-    lock = conn.execute(_q_lock_claim(d)).first()
+    set_group takes it too, so a claim reads a group's policy as of its last change. With
+    ``pin``, the same statement pins the transaction's plans (d.pin_wanted)."""
+    lock = conn.execute(_q_lock_claim(d, pin)).first()
     if lock is None:
         raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
     return _policy_counts(lock.value)
@@ -3845,12 +3894,25 @@ class _LastStarts(Mapping[str, Any]):
         return len(self._data())
 
 
+def _lock_rows(conn: Connection, d: _Dialect, name: str, lock: Callable[[], sa.Select[Any]], params: dict[str, Any],
+               lease: dict[str, Any]) -> list[Any]:
+    """Run one of the claim's locking reads (``lock()``, prebuilt under ``name``). Where the
+    engine takes data-modifying WITH (d.dml_ctes) the same statement also leases the rows it
+    locked, with ``lease``'s parameters, and logs their starts (_q_lock_and_lease); elsewhere
+    _lease_rows leases them afterwards."""
+    if d.dml_ctes:
+        return list(conn.execute(_q_lock_and_lease(d, name, lock), {**params, **lease}))
+    return list(conn.execute(lock(), params))
+
+
 def _take_chosen(conn: Connection, d: _Dialect, now: _dt.datetime, free: int, ready: Mapping[str, tuple[int, float]],
-                 candidates: Mapping[str, list[int]], in_flight: dict[str, int], caps: Mapping[str, int]) -> list[Any]:
+                 candidates: Mapping[str, list[int]], in_flight: dict[str, int], caps: Mapping[str, int],
+                 lease: dict[str, Any]) -> list[Any]:
     """Allocate the free slots over the window (fair share) and lock the chosen candidates in
-    one statement; up to three rounds when SKIP LOCKED (another claim holding some of them)
-    left groups short, each offering those groups' next candidates. Returns the locked rows,
-    group by group in key order, each group's in claim order."""
+    one statement (_lock_rows: leased by it, too, where the engine allows); up to three rounds
+    when SKIP LOCKED (another claim holding some of them) left groups short, each offering
+    those groups' next candidates. Returns the locked rows, group by group in key order, each
+    group's in claim order."""
     rows: list[Any] = []
     took: dict[str, int] = {}  # rows taken per group by earlier rounds
     tried: dict[str, int] = {}  # candidates per group already asked for
@@ -3876,7 +3938,7 @@ def _take_chosen(conn: Connection, d: _Dialect, now: _dt.datetime, free: int, re
             start = tried.get(g, 0)
             chosen += candidates[g][start:start + counts[g]]
             tried[g] = start + counts[g]
-        got = list(conn.execute(_q_lock_chosen(d), {"b_ids": chosen, "b_now": now}))
+        got = _lock_rows(conn, d, "chosen", lambda: _q_lock_chosen(d), {"b_ids": chosen, "b_now": now}, lease)
         rank = {job_id: i for i, job_id in enumerate(chosen)}
         got.sort(key=lambda r: rank[r.id])
         rows += got
@@ -3911,17 +3973,19 @@ def _lease_rows(
     the serialised claim: a time taken before waiting for the lock, or carried forward from an
     earlier reading (the Worker's clock), would log these starts as older than they are, and
     the next claimer's window would let more out early."""
-    d.pin_index_plans(conn)
+    pin = d.pin_wanted(conn)  # pinned by the claim's first statement, not one of its own
     in_flight: dict[str, int] = {}
     if max_in_flight is not None or group_caps or rate_limits:
-        stored = _lock_claim(conn, d)
+        stored = _lock_claim(conn, d, pin)
     else:
         # No limits of its own: the claim locks only if stored policy limits some group. (A
         # claim that read "none" just before set_group stored the first limit still runs
         # unlocked: set_group's change counts from the claims that start after it.)
-        stored = _policy_counts(conn.execute(_Q_CLAIM_LOCK_VALUE).scalar())
+        stored = _policy_counts(conn.execute(_q_claim_lock_value(pin)).scalar())
         if stored[1]:
             stored = _lock_claim(conn, d)
+    if pin:
+        d.pinned(conn)
     if max_in_flight is not None or group_caps or rate_limits or stored[1]:
         if fresh_now and (rate_limits or stored[1]):
             now = d.db_now(conn)
@@ -3984,28 +4048,31 @@ def _lease_rows(
     ready = {g: (n, w) for g, (n, w) in ready.items() if n > 0}
     if not ready:
         return []
+    token = uuid.uuid4().hex
+    expires = now + _dt.timedelta(seconds=ttl)
+    lease = {"b_owner": worker_id, "b_token": token, "b_state": state, "b_now": now, "b_expires": expires}
     if only is not None:
         counts = allocate(free, {only: free}, in_flight=in_flight, caps=caps)
-        params = {"b_now": now, "b_group": only, "b_limit": counts.get(only, 0)}
-        rows = list(conn.execute(_q_candidates(d, type_list is not None), params if type_list is None else
-                                 {**params, "b_types": type_list})) if counts else []
+        typed = type_list is not None
+        params: dict[str, Any] = {"b_now": now, "b_group": only, "b_limit": counts.get(only, 0)}
+        if typed:
+            params["b_types"] = type_list
+        rows = _lock_rows(conn, d, f"candidates:{typed}", lambda: _q_candidates(d, typed), params, lease) if counts else []
     else:
-        rows = _take_chosen(conn, d, now, free, ready, candidates, in_flight, caps)
+        rows = _take_chosen(conn, d, now, free, ready, candidates, in_flight, caps, lease)
     if not rows:
         return []
     scan.served(r.group_key for r in rows)
-    token = uuid.uuid4().hex
-    expires = now + _dt.timedelta(seconds=ttl)
-    ids = [r.id for r in rows]
-    n = conn.execute(_q_lease(d), {"b_ids": ids, "b_owner": worker_id, "b_token": token, "b_state": state,
-                                "b_now": now, "b_expires": expires}).rowcount
-    if n != len(ids):  # rows were locked by us: anything else is a bug, not a race
-        raise JobqError(f"claim leased {n} of {len(ids)} locked rows")
-    per_group: dict[str, int] = {}
-    for r in rows:
-        per_group[r.group_key] = per_group.get(r.group_key, 0) + 1
-    starts = [{"group_key": g, "started_at": now, "n": k} for g, k in sorted(per_group.items())]
-    conn.execute(_Q_LOG_STARTS, starts[0] if len(starts) == 1 else starts)  # one row: no executemany
+    if not d.dml_ctes:  # else leased, and their starts logged, by the statement that locked them
+        ids = [r.id for r in rows]
+        n = conn.execute(_q_lease(d), {"b_ids": ids, **lease}).rowcount
+        if n != len(ids):  # rows were locked by us: anything else is a bug, not a race
+            raise JobqError(f"claim leased {n} of {len(ids)} locked rows")
+        per_group: dict[str, int] = {}
+        for r in rows:
+            per_group[r.group_key] = per_group.get(r.group_key, 0) + 1
+        starts = [{"group_key": g, "started_at": now, "n": k} for g, k in sorted(per_group.items())]
+        conn.execute(_Q_LOG_STARTS, starts[0] if len(starts) == 1 else starts)  # one row: no executemany
     # One Lease per claimed row, its fields set directly: the frozen dataclass's __init__ (an
     # object.__setattr__ per field) took 3.8 us a row, this 0.8 us. Keep in sync with Lease
     # (tests/core/test_lifecycle.py compares the two).

@@ -181,3 +181,24 @@ def test_the_claims_locking_read_goes_by_primary_key_on_fresh_statistics(engine:
             jobq._id_in(d, jobq._c.id, sa.bindparam("b_ids", type_=sa.dialects.postgresql.ARRAY(sa.BigInteger))),
             jobq._state_is("ready"), jobq._c.run_after <= sa.bindparam("b_now", type_=jobq._TS)))
         assert "ix_jobs_ready" in _lock_chosen_plan(engine, broken, ids)  # the trap is real on this server
+
+
+@only("postgresql")  # the engine whose claim locks, leases and logs in one statement (dml_ctes)
+def test_the_claims_one_statement_lock_and_lease_goes_by_primary_key(engine: sa.Engine) -> None:
+    """On PostgreSQL the locking read, the lease and the start log are one statement
+    (_q_lock_and_lease). Its UPDATE joins the locked rows back to jobs: that join must be
+    primary-key probes too, or each claim would walk the table (or the ready index) once more.
+    Checked for both locking reads it wraps: the chosen ids, and one group's candidates."""
+    jobq.submit(engine, [{"key": str(i), "type": "t", "group_key": f"g{i % 1000}"} for i in range(5000)])
+    with engine.connect() as conn:
+        ids = list(conn.execute(sa.text("SELECT id FROM jobs ORDER BY id LIMIT 64")).scalars())
+    d = _d(engine)
+    lease = dict(b_owner="w", b_token="t" * 32, b_state="running", b_expires=NOW)
+    chosen = jobq._q_lock_and_lease(d, "chosen", lambda: jobq._q_lock_chosen(d)).params(**lease)
+    plan = _lock_chosen_plan(engine, chosen, ids)
+    assert "Seq Scan" not in plan and "ix_jobs_ready" not in plan, plan
+    assert plan.count("jobs_pkey") >= 2, plan  # the locking read's probes and the UPDATE's join
+    typed = jobq._q_lock_and_lease(d, "candidates:True", lambda: jobq._q_candidates(d, True)).params(
+        b_group="g1", b_types=["t"], b_limit=10, b_now=NOW, **lease)
+    plan = _plans(engine, typed)
+    assert "Seq Scan" not in plan and "ix_jobs_ready" in plan and "jobs_pkey" in plan, plan
