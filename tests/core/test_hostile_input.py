@@ -43,6 +43,36 @@ def test_json_at_max_depth_round_trips_on_every_engine(engine: sa.Engine, shape:
     assert jobq.get(engine, jid).args == value  # type: ignore[union-attr]
 
 
+#: Values whose text form a decoder could get wrong: the claim reads args and checkpoints as
+#: text and decodes them itself (_LEASE_COLS), with a shortcut for exactly "{}".
+AWKWARD = [
+    {},
+    {"{}": "{}", "": [], "e": {}},
+    {"emoji": "\U0001f600 \u00e9\u4e2d", "ctl": "\t\n\r\x1f", "quote": "\"'\\"},
+    {"big": 2**63 - 1, "neg": -(2**63), "float": 1.5e-300, "tiny": 5e-324, "bool": [True, False, None]},
+    {"nested": [[[{"a": [{}]}]]], "str": "[[{{", "spaces": "  {}  "},
+]
+
+
+@pytest.mark.parametrize("value", AWKWARD, ids=range(len(AWKWARD)))
+def test_awkward_args_and_checkpoints_reach_the_handler_unchanged(engine: sa.Engine, value: dict) -> None:
+    """What enqueue stored is what the claim hands over, as args and as the next attempt's
+    checkpoint (ctx.state), on every engine; at the depth limit too."""
+    seen: list[tuple[Any, Any]] = []
+
+    def handler(ctx: jobq.JobContext) -> None:
+        seen.append((ctx.args, ctx.state))
+        if ctx.attempt == 1:
+            ctx.checkpoint(value)
+            raise RuntimeError("again, from the checkpoint")
+
+    jobq.enqueue(engine, "t", value, max_attempts=2)
+    jobq.enqueue(engine, "t", nest(jobq.MAX_JSON_DEPTH, "empty-dict"), max_attempts=1)
+    assert jobq.Worker(engine, {"t": handler}, max_concurrency=1, **FAST).run_until_idle(timeout=60)
+    assert (value, None) in seen and (value, value) in seen, seen
+    assert (nest(jobq.MAX_JSON_DEPTH, "empty-dict"), None) in seen
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_json_one_level_deeper_is_refused_on_every_engine(engine: sa.Engine, shape: str) -> None:
     """Old code let 32 containers through: MariaDB's CHECK then raised OperationalError 4025,
