@@ -744,6 +744,14 @@ _LEASE_COLS = (
 )
 
 
+def _q_due_weights(now: _dt.datetime) -> sa.Select[Any]:
+    """Per group with due ready jobs, the largest weight among them: one read of the ready
+    index, whatever the number of groups (the dashboard's weight column; _q_group_counts' UNION
+    of one term per group broke past SQLite's 500 terms and took seconds at thousands)."""
+    return (sa.select(_c.group_key, sa.func.max(_c.weight))
+            .where(_state_is("ready"), _c.run_after <= now).group_by(_c.group_key))
+
+
 def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
     """The claim's locking read of one group's oldest runnable jobs (prebuilt per dialect)."""
     def build() -> sa.Select[Any]:

@@ -44,6 +44,9 @@ logger = logging.getLogger("jobq.web")
 
 #: Rows per page of /jobs (``?limit=`` may ask for up to 500).
 PAGE_SIZE = 50
+#: Groups per page of /groups, and how many the overview lists before linking to that page.
+GROUPS_PAGE = 100
+OVERVIEW_GROUPS = 20
 _MAX_PAGE = 500
 #: The overview's chart: finished jobs over the last hour, in 12 spans of 5 minutes.
 _CHART_STEP = _dt.timedelta(minutes=5)
@@ -99,18 +102,18 @@ def _plain(value: Any) -> dict[str, Any]:
 
 
 def _group_rows(engine: sa.Engine, st: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Seam: one row per group that has ready, in-flight or recently started work: weight (the
-    largest among its due jobs, as the claim reads it), ready and due jobs, in flight, cap,
-    rate and paused (stored policy, where the database has it), starts in the last hour, and
-    served share versus weight share over the groups with work."""
+    """Seam: one row per group that has ready, in-flight or recently started work, by name:
+    weight (stored, else the largest among its due jobs), ready and due jobs, in flight, cap,
+    rate and paused (stored policy), starts in the last hour, and served share versus weight
+    share over the groups with work. A fixed number of statements whatever the number of
+    groups; the pages show a slice of these rows (group_page, the overview)."""
     now = st["now"]
     policies = _group_policies(engine)
     names = set(st["ready_by_group"]) | set(st["in_flight"]) | set(policies)
     with engine.connect() as conn:
         starts = {g: int(n) for g, n in conn.execute(jobq._q_starts_by_group(now - _dt.timedelta(hours=1)))}
         names |= set(starts)
-        due = sorted(g for g, n in st["due_by_group"].items() if n)
-        weights = {g: int(w or 1) for g, _n, w in conn.execute(jobq._q_group_counts(due, now, None, 100))} if due else {}
+        weights = {g: int(w or 1) for g, w in conn.execute(jobq._q_due_weights(now))}
         conn.rollback()
     rows = []
     for g in sorted(names):
@@ -188,11 +191,19 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
     return data
 
 
-def group_page(engine: sa.Engine) -> dict[str, Any]:
-    """The groups page: each group's row (stored policy included). ``policy_stored`` is always
-    true since schema 4 (kept for scripts that read it)."""
+def group_page(engine: sa.Engine, *, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
+    """The groups page: the rows of the groups named after ``after``, at most ``limit`` of them
+    (None: all), with ``groups_total`` and ``next_after`` (the ``after`` of the next page, or
+    None). ``policy_stored`` is always true since schema 4 (kept for scripts that read it)."""
     st = jobq.stats(engine)
-    return {"groups": _group_rows(engine, st), "policy_stored": True, "now": st["now"]}
+    rows = _group_rows(engine, st)
+    total = len(rows)
+    if after is not None:
+        rows = [r for r in rows if r["group"] > after]
+    more = limit is not None and len(rows) > limit
+    rows = rows[:limit] if limit is not None else rows
+    return {"groups": rows, "policy_stored": True, "now": st["now"], "groups_total": total,
+            "next_after": rows[-1]["group"] if more and rows else None}
 
 
 # =============================================================================================
@@ -551,7 +562,12 @@ class Dashboard:
                 raise _HttpError(404, f"no job with id {job_id}")
             return self._json(detail) if api else self._page(req, f"Job {job_id}", self._job_html(req, detail), "/jobs")
         if parts == ["groups"]:
-            data = group_page(self.engine)
+            after = req.arg("after")
+            if after is not None and len(after) > jobq.MAX_NAME_LENGTH:
+                raise _HttpError(400, f"after is at most {jobq.MAX_NAME_LENGTH} characters")
+            # The JSON twin lists every group unless asked for a page (as before paging existed).
+            data = group_page(self.engine, after=after,
+                              limit=_int_arg(req, "limit", None if api else GROUPS_PAGE, 1, _MAX_PAGE))
             return self._json(data) if api else self._page(req, "Groups", self._groups_html(req, data), "/groups")
         if any(p in ("retry", "cancel", "pause", "resume") for p in parts[2:3]):
             raise _HttpError(405, "actions are POST requests")
@@ -707,7 +723,10 @@ class Dashboard:
                         ([f'<a href="{b}/jobs?group={_e(urllib.parse.quote(g["group"]))}">{_e(g["group"])}</a>',
                           _num(g["weight"]), _e(g["due"]), _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]),
                           _num(g["rate"]), _num(g["paused"]), _e(g["starts_last_hour"]), _share(g["served_share"]),
-                          _share(g["weight_share"])] for g in d["groups"]), "groups")
+                          _share(g["weight_share"])] for g in d["groups"][:OVERVIEW_GROUPS]), "groups")
+        if len(d["groups"]) > OVERVIEW_GROUPS:
+            groups += (f'<p><a id="all-groups" href="{b}/groups">all {len(d["groups"])} groups &rarr;</a> '
+                       f'(the first {OVERVIEW_GROUPS} by name are above)</p>')
         holders = _table(["worker", "group", "in flight"],
                          ([_e(h["worker"]), _e(h["group"]), _e(h["in_flight"])] for h in d["holders"]))
         fails = _table(["job", "type", "finished", "error"],
@@ -717,7 +736,7 @@ class Dashboard:
                 f"<h2>Finished per 5 minutes, last hour</h2>{_chart_svg(d['chart'])}"
                 f'<p class="muted">{_state("done")} {_state("failed")} {_state("cancelled")}</p>'
                 f"<h2>Queue</h2>{facts_html}<h2>Groups</h2>{groups}"
-                '<p class="muted">Weight: the largest among the group\'s due jobs (as the claim reads it). '
+                '<p class="muted">Weight: stored with set_group, else the largest among the group\'s due jobs. '
                 "Cap and rate limits are the workers' options unless group policy is stored in the database. "
                 "Served share: the group's part of the job starts in the last hour; weight share: its weight's "
                 "part among the groups with work.</p>"
@@ -814,7 +833,13 @@ class Dashboard:
                 "<code>--rate</code> apply too, and the stricter limit wins.</p>")
         table = _table(["group", "weight", "due", "ready", "in flight", "cap", "rate", "paused", "starts (1h)",
                         "served share", "weight share"] + (["action"] if can_act else []), rows, "groups")
-        return f"<h1>Groups</h1>{note}{table}"
+        pager = f'<p class="muted">{len(d["groups"])} of {d["groups_total"]} groups'
+        if d["next_after"] is not None:
+            q = {"after": d["next_after"]} | ({"limit": req.arg("limit")} if req.arg("limit") else {})
+            pager += f' &middot; <a id="next-groups" href="{b}/groups?{_e(urllib.parse.urlencode(q))}">next groups &rarr;</a>'
+        if req.arg("after") is not None:
+            pager += f' &middot; <a href="{b}/groups">&larr; first</a>'
+        return f"<h1>Groups</h1>{note}{table}{pager}</p>"
 
 
 # ---- request arguments
