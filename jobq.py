@@ -3928,8 +3928,8 @@ def _lock_rows(conn: Connection, d: _Dialect, name: str, lock: Callable[[], sa.S
     locked, with ``lease``'s parameters, and logs their starts (_q_lock_and_lease); elsewhere
     _lease_rows leases them afterwards."""
     if d.dml_ctes:
-        return conn.execute(_q_lock_and_lease(d, name, lock), {**params, **lease}).all()
-    return conn.execute(lock(), params).all()
+        return list(conn.execute(_q_lock_and_lease(d, name, lock), {**params, **lease}).all())
+    return list(conn.execute(lock(), params).all())
 
 
 def _take_chosen(conn: Connection, d: _Dialect, now: _dt.datetime, free: int, ready: Mapping[str, tuple[int, float]],
@@ -4077,22 +4077,22 @@ def _lease_rows(
         return []
     token = uuid.uuid4().hex
     expires = now + _dt.timedelta(seconds=ttl)
-    lease = {"b_owner": worker_id, "b_token": token, "b_state": state, "b_now": now, "b_expires": expires}
+    leasing = {"b_owner": worker_id, "b_token": token, "b_state": state, "b_now": now, "b_expires": expires}
     if only is not None:
         counts = allocate(free, {only: free}, in_flight=in_flight, caps=caps)
         typed = type_list is not None
         params: dict[str, Any] = {"b_now": now, "b_group": only, "b_limit": counts.get(only, 0)}
         if typed:
             params["b_types"] = type_list
-        rows = _lock_rows(conn, d, f"candidates:{typed}", lambda: _q_candidates(d, typed), params, lease) if counts else []
+        rows = _lock_rows(conn, d, f"candidates:{typed}", lambda: _q_candidates(d, typed), params, leasing) if counts else []
     else:
-        rows = _take_chosen(conn, d, now, free, ready, candidates, in_flight, caps, lease)
+        rows = _take_chosen(conn, d, now, free, ready, candidates, in_flight, caps, leasing)
     if not rows:
         return []
     scan.served(r.group_key for r in rows)
     if not d.dml_ctes:  # else leased, and their starts logged, by the statement that locked them
         ids = [r.id for r in rows]
-        n = conn.execute(_q_lease(d), {"b_ids": ids, **lease}).rowcount
+        n = conn.execute(_q_lease(d), {"b_ids": ids, **leasing}).rowcount
         if n != len(ids):  # rows were locked by us: anything else is a bug, not a race
             raise JobqError(f"claim leased {n} of {len(ids)} locked rows")
         per_group: dict[str, int] = {}
@@ -4104,9 +4104,9 @@ def _lease_rows(
     # object.__setattr__ per field) took 3.8 us a row, this 0.8 us; the row unpacked as a
     # tuple (_LEASE_COLS' order), not read by name. Keep in sync with Lease
     # (tests/core/test_lifecycle.py compares the two).
-    new = object.__new__
+    new: Callable[[type[Lease]], Lease] = object.__new__
     loads = getattr(conn.dialect, "_json_deserializer", None) or json.loads  # as the engine's JSON type
-    leases = []
+    leases: list[Lease] = []
     for job_id, type_, args, group_key, attempts, max_attempts, timeout, parent_id, checkpoint in rows:
         lease = new(Lease)
         lease.__dict__.update(
