@@ -7057,13 +7057,27 @@ def _policy_text(p: GroupPolicy) -> str:
     return f"group {p.group_key}: weight {weight}, cap {cap}, rate {rate}{', PAUSED' if p.paused else ''}"
 
 
+#: Groups `jobq status` names per line; past that, the busiest ones and how many more.
+_STATUS_GROUPS = 10
+
+
+def _per_group_text(counts: Mapping[str, int]) -> str:
+    """``a: 2, b: 1`` by name, or with thousands of tenants the busiest few and a count."""
+    busy = {g: n for g, n in counts.items() if n}
+    if len(busy) <= _STATUS_GROUPS:
+        return ", ".join(f"{g}: {n}" for g, n in sorted(busy.items())) or "none"
+    top = sorted(busy.items(), key=lambda gn: (-gn[1], gn[0]))[:_STATUS_GROUPS]
+    return (", ".join(f"{g}: {n}" for g, n in top)
+            + f", and {len(busy) - _STATUS_GROUPS:,} more groups (the busiest shown; --json lists all)")
+
+
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
     states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
                        for k, v in st["states"].items() if k not in TERMINAL)
     finished = "  ".join(f"{k}={st['states'][k]}" for k in TERMINAL)
-    due = ", ".join(f"{g}: {n}" for g, n in sorted(st["due_by_group"].items()) if n) or "none"
-    flight = ", ".join(f"{g}: {n}" for g, n in sorted(st["in_flight"].items())) or "none"
+    due = _per_group_text(st["due_by_group"])
+    flight = _per_group_text(st["in_flight"])
     # oldest_ready is the oldest *due* job: its wait is never negative
     age = _span((st["now"] - st["oldest_ready"]).total_seconds()) if st["oldest_ready"] else "-"
     later = str(st["ready_scheduled"])

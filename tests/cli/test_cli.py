@@ -102,6 +102,24 @@ def test_status_never_prints_a_negative_age(db_url: str, capsys: pytest.CaptureF
     eng.dispose()
 
 
+def test_status_with_thousands_of_tenants_names_the_busiest_and_counts_the_rest(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14's tenants: one status line per group list stays readable. Past 10 groups it
+    names the 10 with the most due jobs (largest first, ties by name) and how many more there
+    are; --json still carries every group."""
+    eng = sa.create_engine(db_url)
+    jobq.submit(eng, [{"key": str(i), "type": "t", "group_key": f"g{i:04d}"} for i in range(600)]
+                + [{"key": f"big{i}", "type": "t", "group_key": "g0599"} for i in range(3)]
+                + [{"key": f"mid{i}", "type": "t", "group_key": "g0300"} for i in range(2)])
+    _, out, _ = cli(db_url, "status", capsys=capsys)
+    line = next(x for x in out.splitlines() if x.startswith("due per group: "))
+    assert line == ("due per group: g0599: 4, g0300: 3, g0000: 1, g0001: 1, g0002: 1, g0003: 1, g0004: 1, g0005: 1, "
+                    "g0006: 1, g0007: 1, and 590 more groups (the busiest shown; --json lists all)"), line
+    _, out, _ = cli(db_url, "status", "--json", capsys=capsys)
+    assert len([g for g, n in json.loads(out)["due_by_group"].items() if n]) == 600
+    eng.dispose()
+
+
 # ---- item 4: one rule for exit codes ---------------------------------------------------------
 
 
