@@ -37,6 +37,14 @@ def _listening(engine: sa.Engine) -> int:
             "AND datname = current_database() AND state = 'idle' AND query LIKE 'LISTEN%'")).scalar_one()
 
 
+def _listeners(engine: sa.Engine) -> int:
+    """How many jobq listener connections the server shows, in any state."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobq-listener' "
+            "AND datname = current_database()")).scalar_one()
+
+
 def _count_ticks(worker: jobq.Worker) -> list[float]:
     """Record when each of ``worker``'s ticks ends (the run loop calls ``_safe_tick`` once a
     round)."""
@@ -93,6 +101,9 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
     admin = sa.create_engine(engine.url)
     try:
         wait_for(lambda: _listening(admin) == 1, timeout=10, what="the listener to LISTEN")
+        # and no other: a listener of the test before may still be closing (seen under load:
+        # two killed), and the kill below must cut this worker's listener alone
+        wait_for(lambda: _listeners(admin) == 1, timeout=10, what="an earlier test's listener to close")
         with admin.connect() as conn:
             killed = conn.execute(sa.text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
