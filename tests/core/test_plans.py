@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 
+import pytest
 import sqlalchemy as sa
 
 import jobq
@@ -181,3 +182,45 @@ def test_the_claims_locking_read_goes_by_primary_key_on_fresh_statistics(engine:
             jobq._id_in(d, jobq._c.id, sa.bindparam("b_ids", type_=sa.dialects.postgresql.ARRAY(sa.BigInteger))),
             jobq._state_is("ready"), jobq._c.run_after <= sa.bindparam("b_now", type_=jobq._TS)))
         assert "ix_jobs_ready" in _lock_chosen_plan(engine, broken, ids)  # the trap is real on this server
+
+
+def _window_json(d: jobq._Dialect, ready: bool) -> sa.Select:
+    """The SQLite window read as jobq builds it (_q_window_json), or, ready=False, the broken
+    variant whose inner read lacks the `state = 'ready'` literal the partial index needs."""
+    if ready:
+        return jobq._q_window_json(d, True)
+    c = jobq._c
+    g = sa.func.json_each(sa.bindparam("b_groups", type_=sa.JSON())).table_valued("value", "key").alias("g")
+    inner = (sa.select(c.id).where(c.group_key == g.c.value, c.run_after <= sa.bindparam("b_now", type_=jobq._TS),
+                                   jobq._id_in(d, c.type, sa.bindparam("b_types")))
+             .order_by(*jobq._CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
+    j = jobq._jobs.alias("j")
+    return sa.select(j.c.group_key, j.c.id, j.c.weight).select_from(g).join(j, j.c.id.in_(inner.scalar_subquery()))
+
+
+@only("sqlite")
+def test_the_json_window_read_walks_the_ready_index_per_group(engine: sa.Engine) -> None:
+    """SQLite's window read (_q_window_json: one JSON array of groups, a correlated LIMITed read
+    per group) must probe ix_jobs_ready once per group and fetch the chosen rows by rowid; a
+    SCAN of jobs (the broken variant: no `state = 'ready'` literal) would read every job per
+    group. Bound, not literal: the groups and types are JSON array parameters."""
+    d = _d(engine)
+    if not d.json_id_lists:
+        return  # SQLite before 3.38 reads the window as a UNION of derived tables (HOT above)
+    jobq.submit(engine, [{"key": str(i), "type": "t", "group_key": f"g{i % 100}"} for i in range(2000)])
+
+    def plan(stmt: sa.Select) -> str:
+        compiled = stmt.compile(engine)
+        values = compiled.construct_params({"b_groups": json.dumps(["g1", "g2"]), "b_types": json.dumps(["t"]),
+                                            "b_now": NOW.isoformat(" "), "b_limit": 10})
+        params = tuple(values[name] for name in compiled.positiontup or ())
+        with engine.connect() as conn:
+            return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", params))
+
+    good = plan(_window_json(d, True))
+    _check("window candidates (json)", good)
+    assert "SEARCH jobs USING INDEX ix_jobs_ready" in good and "SEARCH j USING INTEGER PRIMARY KEY" in good, good
+    bad = plan(_window_json(d, False))
+    assert "ix_jobs_ready" not in bad, bad  # the broken variant is caught by the check above
+    with pytest.raises(AssertionError, match="SCAN jobs"):
+        _check("broken window", bad)
