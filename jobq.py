@@ -684,16 +684,19 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
 # than the window, however many groups have ready work (the claim's window: _GroupScan).
 # Neither run_after nor the types are checked here; _q_group_counts does, per group, bounded.
 # One recursion level per group: `hint` lifts a recursion limit where the engine has one.
+_READY_GROUPS_CTE = (
+    "WITH RECURSIVE g(k, n) AS ("
+    " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' AND group_key > :b_after"
+    " ORDER BY group_key LIMIT 1), 1"
+    " UNION ALL"
+    " SELECT (SELECT j.group_key FROM jobs j WHERE j.state = 'ready' AND j.group_key > g.k"
+    " ORDER BY j.group_key LIMIT 1), g.n + 1 FROM g WHERE g.k IS NOT NULL AND g.n < :b_window)"
+)
+
+
 def _ready_groups(hint: str = "") -> sa.TextualSelect:
-    return sa.text(
-        "WITH RECURSIVE g(k, n) AS ("
-        " SELECT (SELECT group_key FROM jobs WHERE state = 'ready' AND group_key > :b_after"
-        " ORDER BY group_key LIMIT 1), 1"
-        " UNION ALL"
-        " SELECT (SELECT j.group_key FROM jobs j WHERE j.state = 'ready' AND j.group_key > g.k"
-        " ORDER BY j.group_key LIMIT 1), g.n + 1 FROM g WHERE g.k IS NOT NULL AND g.n < :b_window"
-        f") SELECT {hint}k FROM g WHERE k IS NOT NULL"
-    ).bindparams(sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer)).columns(k=_NAME)
+    return sa.text(f"{_READY_GROUPS_CTE} SELECT {hint}k FROM g WHERE k IS NOT NULL").bindparams(
+        sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer)).columns(k=_NAME)
 
 
 _Q_READY_GROUPS = _ready_groups()
@@ -802,6 +805,30 @@ def _q_window_lateral(d: _Dialect, typed: bool) -> sa.Select[Any]:
         return sa.select(w.c.group_key, w.c.id, w.c.weight).select_from(g).join(w, sa.true())
 
     return _prebuilt(d, f"window_lateral:{typed}", build)
+
+
+def _q_ready_groups_read(d: _Dialect, typed: bool) -> sa.TextualSelect:
+    """The group scan (_ready_groups) and the window read (_q_window_lateral) in one statement
+    (d.lateral_arrays): each group found, with its first b_limit runnable jobs in claim order
+    (none: one row of NULLs), so a claim over many groups spends one round trip on both. A
+    scan from the first group that finds one group alone reads no jobs (LIMIT 0): that claim
+    locks that group's jobs directly (_q_candidates), and its caller reads them itself if not."""
+    def build() -> sa.TextualSelect:
+        typed_sql = " AND type = ANY(:b_types)" if typed else ""
+        stmt = sa.text(
+            f"{_READY_GROUPS_CTE} SELECT g.k, w.id, w.weight FROM g LEFT JOIN LATERAL ("
+            " SELECT id, weight, priority, run_after FROM jobs WHERE state = 'ready' AND group_key = g.k"
+            f" AND run_after <= :b_now{typed_sql} ORDER BY priority DESC, run_after, id"
+            " LIMIT CASE WHEN :b_after = '' AND NOT EXISTS (SELECT 1 FROM g g2 WHERE g2.n = 2 AND g2.k IS NOT NULL)"
+            " THEN 0 ELSE :b_limit END) w ON true"
+            " WHERE g.k IS NOT NULL ORDER BY g.n, w.priority DESC, w.run_after, w.id"
+        ).bindparams(sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer),
+                     sa.bindparam("b_now", type_=_TS), sa.bindparam("b_limit", type_=sa.Integer))
+        if typed:
+            stmt = stmt.bindparams(sa.bindparam("b_types", type_=_pg.ARRAY(sa.String(200))))
+        return stmt.columns(k=_NAME, id=sa.BigInteger, weight=sa.Integer)
+
+    return _prebuilt(d, f"ready_groups_read:{typed}", build)
 
 
 def _q_window_json(d: _Dialect, typed: bool) -> sa.Select[Any]:
@@ -3727,8 +3754,18 @@ class _GroupScan:
     one bounded skip scan (two when it wraps; on MySQL/MariaDB a range read first), and leaves
     the cursor at the last group it took ("" when it took them all)."""
 
-    def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None) -> None:
+    def __init__(self, conn: Connection, d: _Dialect, types: Sequence[str] | None, now: _dt.datetime,
+                 limit: int) -> None:
         self.conn, self.stmt, self.ranged = conn, _q_ready_groups(d), d.ranged_group_scan
+        #: With d.lateral_arrays each scan reads its groups' candidates too (_q_ready_groups_read):
+        #: group -> (its first ``limit`` runnable ids in claim order, the largest weight among them).
+        self.read: dict[str, tuple[list[int], Any]] = {}
+        self.read_params: dict[str, Any] | None = None
+        if d.lateral_arrays:
+            self.stmt = _q_ready_groups_read(d, types is not None)
+            self.read_params = {"b_now": now, "b_limit": limit}
+            if types is not None:
+                self.read_params["b_types"] = list(types)
         self.cursors = _GROUP_CURSORS.setdefault(conn.engine, {})
         self.key = None if types is None else tuple(sorted(types))
         self.start = self.pos = self.cursors.get(self.key, "")
@@ -3779,7 +3816,23 @@ class _GroupScan:
             if len(got) == n or not cut:  # enough, or the end of the ready set
                 return got
         after = got[-1] if got else self.pos  # the read ended inside a big group: skip past it
-        return got + list(self.conn.execute(self.stmt, {"b_after": after, "b_window": n - len(got)}).scalars())
+        params = {"b_after": after, "b_window": n - len(got)}
+        if self.read_params is None:
+            return got + list(self.conn.execute(self.stmt, params).scalars())
+        keys: list[str] = []
+        found: dict[str, tuple[list[int], Any]] = {}
+        for g, job_id, w in self.conn.execute(self.stmt, {**params, **self.read_params}):
+            if not keys or keys[-1] != g:
+                keys.append(g)
+                found[g] = ([], w)
+            if job_id is not None:
+                ids, top = found[g]
+                ids.append(job_id)
+                if w > top:
+                    found[g] = ids, w
+        if after or len(keys) != 1:  # else the statement read no jobs (LIMIT 0)
+            self.read.update(found)
+        return got + keys
 
     def served(self, groups: Iterable[str]) -> None:
         """The next window starts after the last group (in key order) this claim leased to,
@@ -3803,17 +3856,27 @@ def _lock_claim(conn: Connection, d: _Dialect) -> tuple[int, int]:
 
 def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now: _dt.datetime,
                        types: Sequence[str] | None, limit: int, into: dict[str, list[int]],
-                       small: Collection[str] = ()) -> dict[str, tuple[list[int], int]]:
+                       small: Collection[str] = (),
+                       known: Mapping[str, tuple[list[int], Any]] | None = None) -> dict[str, tuple[list[int], int]]:
     """The window's runnable jobs, read without locks in one statement (per _WINDOW_TERMS
-    groups; one more for the ``small`` groups a range read saw whole): group -> (its first
+    groups; one more for the ``small`` groups a range read saw whole; none for the groups
+    whose candidates the group scan read, ``known``: _GroupScan.read): group -> (its first
     ``limit`` ids in claim order, the largest weight among them). Counting them is the claim's
     per-group count; the ids are what it locks once chosen."""
+    out: dict[str, tuple[list[int], int]] = {}
+    if known:
+        for g in groups:
+            if (got := known.get(g)) is not None and got[0]:
+                into[g] = got[0]
+                out[g] = got
+        groups = [g for g in groups if g not in known]
+        if not groups:
+            return out
     # Each term binds the due time and the types again: SQLite counts every occurrence
     # towards its 32,766 bound parameters.
     size = _WINDOW_TERMS
     while size > 1 and size * (3 + len(types or ())) > 30_000:
         size //= 2
-    out: dict[str, tuple[list[int], int]] = {}
     stmts: list[tuple[Any, dict[str, Any]]] = []
     params: dict[str, Any]
     if d.lateral_arrays:
@@ -3974,7 +4037,7 @@ def _lease_rows(
     stored_rates: dict[str, tuple[int, float]] = {}
     ready: dict[str, tuple[int, float]] = {}
     candidates: dict[str, list[int]] = {}  # group -> its runnable ids in claim order (at most `free`)
-    scan = _GroupScan(conn, d, type_list)
+    scan = _GroupScan(conn, d, type_list, now, free)
     want = max(free, CLAIM_WINDOW)
     only: str | None = None
     while True:
@@ -3999,7 +4062,7 @@ def _lease_rows(
             only = groups[0]  # one group in all: nothing to share; one locking read bounded by `free`
             ready = {only: (free, 1)}
             break
-        found = {g: (len(ids), w) for g, (ids, w) in _window_candidates(conn, d, groups, now, type_list, free, candidates, scan.small).items()}
+        found = {g: (len(ids), w) for g, (ids, w) in _window_candidates(conn, d, groups, now, type_list, free, candidates, scan.small, scan.read).items()}
         weights = {g: p.weight for g, p in policy.items() if p.weight is not None}
         found = {g: (n, weights.get(g, w)) for g, (n, w) in found.items()}
         named = {g: r for g, r in named_rates.items() if g in found}

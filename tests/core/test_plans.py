@@ -43,6 +43,10 @@ HOT = {
     "window candidates": lambda e: jobq._q_window_candidates(_d(e), 4, True).params(
         b_g0="g", b_g1="h", b_g2="i", b_g3="", b_now=NOW, b_types=["t"], b_limit=10),
     "expired leases": lambda e: jobq._q_expired(_d(e)).params(b_now=NOW, b_limit=100),
+    # PostgreSQL's scan that reads each group's candidates too (lateral_arrays)
+    "ready groups with candidates": lambda e: (jobq._q_ready_groups_read(_d(e), True) if _d(e).lateral_arrays
+                                               else jobq._Q_READY_GROUPS).params(
+        b_after="g", b_window=64, b_now=NOW, b_limit=10, b_types=["t"]),
 }
 
 
