@@ -95,3 +95,40 @@ def test_a_claim_looks_past_groups_with_nothing_runnable(engine: sa.Engine) -> N
     jobq.set_group(engine, "d", paused=True)
     (lease,) = jobq.claim_batch(engine, "w", 30, limit=1)
     assert lease.id == due
+
+
+def _broken_concat_ids(runnable: int, ids: str | None, limit: int) -> list[int] | None:
+    """The broken variant: trusts whatever GROUP_CONCAT sent back, even a list it cut short."""
+    return [int(i) for i in (ids or "").split(";") if i][:limit] if runnable else []
+
+
+@only("mysql", "mariadb")  # capability: ranged_group_scan (the range read that is the window read too)
+@pytest.mark.parametrize("broken", [False, True], ids=["jobq", "broken-variant"])
+def test_a_window_read_cut_by_group_concat_max_len_is_read_again(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
+                                                               broken: bool) -> None:
+    """The MySQL/MariaDB group scan sends each group's runnable ids back as one GROUP_CONCAT
+    string, which the server cuts at group_concat_max_len (1,024 bytes by default on MySQL).
+    With the limit at 4 bytes every list of 5 ids is cut. Correct: the claim notices (no
+    final ";", fewer ids than runnable) and reads those groups again, so it still leases all
+    10 jobs of the two groups, highest priority first. The broken variant takes the cut list
+    for the whole one and leases fewer."""
+    _ready_rows(engine, {"g0": 5, "g1": 5})
+    if broken:
+        monkeypatch.setattr(jobq, "_concat_ids", _broken_concat_ids)
+    short = sa.create_engine(engine.url)
+
+    @sa.event.listens_for(short, "connect")
+    def _short_concat(dbapi_conn, _record) -> None:  # noqa: ANN001
+        with dbapi_conn.cursor() as cur:
+            cur.execute("SET SESSION group_concat_max_len = 4")
+
+    try:
+        leases = jobq.claim_batch(short, "w", 30, limit=10, types=["t"])
+    finally:
+        short.dispose()
+    with engine.connect() as conn:
+        every = set(conn.execute(sa.select(jobq.Job.__table__.c.id)).scalars())
+    if broken:
+        assert len(leases) < 10
+    else:
+        assert {lease.id for lease in leases} == every and len(leases) == 10

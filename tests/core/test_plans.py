@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 
+import pytest
 import sqlalchemy as sa
 
 import jobq
@@ -42,6 +43,10 @@ HOT = {
     "window candidates": lambda e: jobq._q_window_candidates(_d(e), 4, True).params(
         b_g0="g", b_g1="h", b_g2="i", b_g3="", b_now=NOW, b_types=["t"], b_limit=10),
     "expired leases": lambda e: jobq._q_expired(_d(e)).params(b_now=NOW, b_limit=100),
+    # PostgreSQL's scan that reads each group's candidates too (SQLite's: below, with bound JSON)
+    "ready groups with candidates": lambda e: (jobq._q_ready_groups_read(_d(e), True) if _d(e).lateral_arrays
+                                               else jobq._Q_READY_GROUPS).params(
+        b_after="g", b_window=64, b_now=NOW, b_limit=10, b_types=["t"]),
 }
 
 
@@ -202,3 +207,50 @@ def test_the_claims_one_statement_lock_and_lease_goes_by_primary_key(engine: sa.
         b_group="g1", b_types=["t"], b_limit=10, b_now=NOW, **lease)
     plan = _plans(engine, typed)
     assert "Seq Scan" not in plan and "ix_jobs_ready" in plan and "jobs_pkey" in plan, plan
+
+
+def _window_json(d: jobq._Dialect, ready: bool) -> sa.Select:
+    """The SQLite window read as jobq builds it (_q_window_json), or, ready=False, the broken
+    variant whose inner read lacks the `state = 'ready'` literal the partial index needs."""
+    if ready:
+        return jobq._q_window_json(d, True)
+    c = jobq._c
+    g = sa.func.json_each(sa.bindparam("b_groups", type_=sa.JSON())).table_valued("value", "key").alias("g")
+    inner = (sa.select(c.id).where(c.group_key == g.c.value, c.run_after <= sa.bindparam("b_now", type_=jobq._TS),
+                                   jobq._id_in(d, c.type, sa.bindparam("b_types")))
+             .order_by(*jobq._CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
+    j = jobq._jobs.alias("j")
+    return sa.select(j.c.group_key, j.c.id, j.c.weight).select_from(g).join(j, j.c.id.in_(inner.scalar_subquery()))
+
+
+@only("sqlite")
+def test_the_json_window_read_walks_the_ready_index_per_group(engine: sa.Engine) -> None:
+    """SQLite's window read (_q_window_json: one JSON array of groups, a correlated LIMITed read
+    per group; and the same read joined to the group scan, _q_ready_groups_read) must probe
+    ix_jobs_ready once per group and fetch the chosen rows by rowid; a
+    SCAN of jobs (the broken variant: no `state = 'ready'` literal) would read every job per
+    group. Bound, not literal: the groups and types are JSON array parameters."""
+    d = _d(engine)
+    if not d.json_id_lists:
+        return  # SQLite before 3.38 reads the window as a UNION of derived tables (HOT above)
+    jobq.submit(engine, [{"key": str(i), "type": "t", "group_key": f"g{i % 100}"} for i in range(2000)])
+
+    def plan(stmt: sa.Executable) -> str:
+        compiled = stmt.compile(engine)
+        values = compiled.construct_params({"b_groups": json.dumps(["g1", "g2"]), "b_types": json.dumps(["t"]),
+                                            "b_now": NOW.isoformat(" "), "b_limit": 10, "b_after": "g",
+                                            "b_window": 64})
+        params = tuple(values[name] for name in compiled.positiontup or ())
+        with engine.connect() as conn:
+            return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", params))
+
+    good = plan(_window_json(d, True))
+    _check("window candidates (json)", good)
+    assert "SEARCH jobs USING INDEX ix_jobs_ready" in good and "SEARCH j USING INTEGER PRIMARY KEY" in good, good
+    scan = plan(jobq._q_ready_groups_read(d, True))  # the scan that reads the window too
+    _check("ready groups with candidates (json)", scan)
+    assert "SEARCH jobs USING INDEX ix_jobs_ready" in scan and "SEARCH w USING INTEGER PRIMARY KEY" in scan, scan
+    bad = plan(_window_json(d, False))
+    assert "ix_jobs_ready" not in bad, bad  # the broken variant is caught by the check above
+    with pytest.raises(AssertionError, match="SCAN jobs"):
+        _check("broken window", bad)
