@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import sqlalchemy as sa
+import throughput as T
 from sqlalchemy import event
 
 import bench as B
@@ -69,13 +70,7 @@ def _worker(url: str, conc: int, ready: Any, go: Any, out: Any) -> None:
 
 def drain(url: str, n_jobs: int, n_procs: int, conc: int = 64) -> tuple[float, list[float]]:
     """Seed ``n_jobs`` no-op jobs, drain them with ``n_procs`` workers; (seconds, hold times)."""
-    B.fresh(url).dispose()
-    eng = sa.create_engine(url)
-    B.seed(eng, n_jobs)
-    if eng.dialect.name == "postgresql":
-        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("ANALYZE jobs")
-    eng.dispose()
+    T._jobq_seed(url, n_jobs)  # as the drain benchmark seeds jobq's contender
     ctx = mp.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     readies = [ctx.Event() for _ in range(n_procs)]
