@@ -682,7 +682,7 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
 # b_window of them, by a skip scan of the ready index: one index probe per group, however many
 # jobs each group has ready (a GROUP BY would read the whole ready set), and never more probes
 # than the window, however many groups have ready work (the claim's window: _GroupScan).
-# Neither run_after nor the types are checked here; _q_group_counts does, per group, bounded.
+# Neither run_after nor the types are checked here; the window read does, per group, bounded.
 # One recursion level per group: `hint` lifts a recursion limit where the engine has one.
 _READY_GROUPS_CTE = (
     "WITH RECURSIVE g(k, n) AS ("
@@ -3860,6 +3860,24 @@ def _concat_ids(runnable: int, ids: str | None, limit: int) -> list[int] | None:
     return [int(i) for i in ids[:-1].split(";")]
 
 
+def _fold_candidates(rows: Iterable[Any], limit: int, into: dict[str, Any]) -> list[str]:
+    """Rows of (group, id, weight), each group's together and in claim order, into ``into``:
+    group -> (its first ``limit`` ids, the largest weight among them). A row whose id is None
+    (a group the scan found with nothing read for it) enters its group with no ids. Returns the
+    groups in the order the rows name them (the window read and _GroupScan's read share it)."""
+    keys: list[str] = []
+    for g, job_id, w in rows:
+        got = into.get(g)
+        if got is None:
+            keys.append(g)
+            got = into[g] = ([], w)
+        if job_id is not None and len(got[0]) < limit:
+            got[0].append(job_id)
+            if w > got[1]:
+                into[g] = got[0], w
+    return keys
+
+
 class _GroupScan:
     """The groups with ready work in cycle order, from after this process's cursor, wrapping
     around, each at most once: the claim takes them a window at a time (``take``), each window
@@ -3942,17 +3960,8 @@ class _GroupScan:
         params = {"b_after": after, "b_window": n - len(got)}
         if self.read_params is None:
             return got + list(self.conn.execute(self.stmt, params).scalars())
-        keys: list[str] = []
         found: dict[str, tuple[list[int], Any]] = {}
-        for g, job_id, w in self.conn.execute(self.stmt, {**params, **self.read_params}):
-            if not keys or keys[-1] != g:
-                keys.append(g)
-                found[g] = ([], w)
-            if job_id is not None:
-                ids, top = found[g]
-                ids.append(job_id)
-                if w > top:
-                    found[g] = ids, w
+        keys = _fold_candidates(self.conn.execute(self.stmt, {**params, **self.read_params}), self.limit, found)
         if after or len(keys) != 1:  # else the statement read no jobs (LIMIT 0)
             self.read.update(found)
         return got + keys
@@ -4021,14 +4030,7 @@ def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now
                 params["b_types"] = types
             stmts.append((_q_window_candidates(d, n, types is not None), params))
     for stmt, params in stmts:
-        for g, job_id, w in conn.execute(stmt, params):  # each group's rows in claim order
-            if g not in out:
-                out[g] = [job_id], w
-            elif len(out[g][0]) < limit:
-                ids, top = out[g]
-                ids.append(job_id)
-                if w > top:
-                    out[g] = ids, w
+        _fold_candidates(conn.execute(stmt, params), limit, out)
     for g, (ids, _w) in out.items():
         into[g] = ids
     return out
