@@ -1471,34 +1471,37 @@ def _q_lock_and_lease(d: _Dialect, name: str, lock: Callable[[], sa.Select[Any]]
     statement (d.dml_ctes; one round trip instead of three): ``lock()`` builds the locking read
     (_q_candidates or _q_lock_chosen), whose parameters this takes plus _q_lease's. Returns the
     locked rows as they were read (attempts before this lease), in claim order. Keep in sync
-    with _q_lease and _Q_LOG_STARTS."""
+    with _q_lease."""
     def build() -> sa.Select[Any]:
         locked = lock().add_columns(_c.priority, _c.run_after).cte("locked")
         leased = (sa.update(_jobs).where(_c.id == locked.c.id).values(**_lease_values())
                   .returning(*locked.c).cte("leased"))
-        logged = sa.insert(_starts).from_select(
-            ["group_key", "started_at", "n"],
-            sa.select(leased.c.group_key, sa.bindparam("b_now", type_=_TS), sa.func.count()).group_by(leased.c.group_key),
-        ).cte("logged")
+        logged = _log_starts_of(leased.c.group_key).cte("logged")
         cols = [leased.c[col.name] for col in _LEASE_COLS]
         return (sa.select(*cols).add_cte(logged)
                 .order_by(leased.c.priority.desc(), leased.c.run_after, leased.c.id))
     return _prebuilt(d, f"lock_and_lease:{name}", build)
 
 
-_Q_LOG_STARTS = sa.insert(_starts)
+def _log_starts_of(group_key: sa.ColumnElement[Any], *where: sa.ColumnElement[bool]) -> sa.Insert:
+    """The start log of a claim's leased rows, one row per group counting its starts at
+    ``b_now``: the rows ``group_key`` comes from (the lease's RETURNING in _q_lock_and_lease,
+    or ``jobs`` filtered by ``where`` in _q_log_leased_starts)."""
+    return sa.insert(_starts).from_select(
+        ["group_key", "started_at", "n"],
+        sa.select(group_key, sa.bindparam("b_now", type_=_TS), sa.func.count()).where(*where).group_by(group_key),
+    )
 
 
 def _q_log_leased_starts(d: _Dialect) -> sa.Insert:
-    """The start log of the rows just leased (``b_ids``), one row per group, as one
-    INSERT ... SELECT where the lease was not its own statement's (not d.dml_ctes): no
-    parameters per group (a claim over 64 groups bound 64 rows' worth). Keep in sync with
-    _q_lock_and_lease's ``logged``."""
-    return _prebuilt(d, "log_leased_starts", lambda: sa.insert(_starts).from_select(
-        ["group_key", "started_at", "n"],
-        sa.select(_c.group_key, sa.bindparam("b_now", type_=_TS), sa.func.count())
-        .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger)))).group_by(_c.group_key),
-    ))
+    """The start log of the rows just leased (``b_ids``) where the lease was a statement of its
+    own (not d.dml_ctes), as one INSERT ... SELECT: no parameters per group (a claim over 64
+    groups bound 64 rows' worth)."""
+    return _prebuilt(d, "log_leased_starts", lambda: _log_starts_of(
+        _c.group_key, _id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger)))))
+
+
+_Q_LOG_STARTS = sa.insert(_starts)
 _Q_LOCK_CLAIM = sa.select(_meta.c.key, _meta.c.value).where(_meta.c.key == _CLAIM_LOCK_KEY)
 # The claim_lock row's value without the lock: a claim without caps of its own reads it to learn
 # whether stored policy limits any group (then it takes the lock after all).
