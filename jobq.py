@@ -366,9 +366,11 @@ class Job(Base):
         # Retention's scan (prune): finished rows by age. Partial where possible, so the hot
         # transitions between ready, leased and running never touch it (schema 2; a full
         # (state, finished_at) index took a new entry on every claim and lured PostgreSQL's
-        # planner into walking its dead entries). Keep in sync with prune.
+        # planner into walking its dead entries). Keep in sync with prune. MySQL/MariaDB index
+        # finished_at alone (NULL until a job finishes), so a claim's state change moves no
+        # entry of it; _rekey_mysql_indexes replaces the (state, finished_at) index of before.
         _partial_index("ix_jobs_finished", "finished_at", where="state IN ('done', 'failed', 'cancelled')"),
-        _mysql_index("ix_jobs_state_finished", "state", "finished_at"),
+        _mysql_index("ix_jobs_finished_my", "finished_at"),
         # stats() counts blocked jobs through this (schema 2); on MySQL/MariaDB the state index.
         _partial_index("ix_jobs_waiting", "group_key", where="state = 'waiting'"),
         # Unique jobs (schema 4): one unfinished job per unique_key, enforced by the database so
@@ -377,9 +379,10 @@ class Job(Base):
         sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
                  sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(dialect=("postgresql", "sqlite")),  # type: ignore[arg-type]
         # Held spawns by their spawner (schema 4): release, discard and reclaim find them here;
-        # released rows leave the partial index. Keep in sync with _q_held_spawns.
+        # released rows leave the partial index. Keep in sync with _q_held_spawns. MySQL/MariaDB:
+        # spawned_by alone (it never changes), so state changes move no entry of it.
         _partial_index("ix_jobs_held", "spawned_by", where="state = 'held'"),
-        _mysql_index("ix_jobs_held_my", "state", "spawned_by"),
+        _mysql_index("ix_jobs_held_my", "spawned_by"),
         # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
         # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
         # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
@@ -565,6 +568,10 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
     if found < 4:
         _upgrade_4_state(conn, d)
         _upgrade_4_spawn(conn, d)
+    if not d.partial_indexes:
+        # Checked on every start (one catalogue read), with no version of its own, like the
+        # parent key below: a jobq.py of before reads the re-keyed indexes as well.
+        _rekey_mysql_indexes(conn)
     if not d.parent_fk:
         # Checked on every start (one catalogue read), with no version of its own: a jobq.py
         # that predates it works as well without the key, and never creates it again.
@@ -616,6 +623,22 @@ def _upgrade_4_spawn(conn: Connection, d: _Dialect) -> None:
     name = "ix_jobs_held" if d.partial_indexes else "ix_jobs_held_my"
     if name not in {i["name"] for i in inspector.get_indexes("jobs")}:
         next(i for i in _jobs.indexes if i.name == name).create(conn)
+
+
+def _rekey_mysql_indexes(conn: Connection) -> None:
+    """MySQL/MariaDB: replace the finished and held-spawn indexes that led with ``state``
+    ((state, finished_at) as ix_jobs_state_finished, (state, spawned_by) as ix_jobs_held_my)
+    by their state-free keys. A state-led entry moved on every claim and every finish: on a
+    64-row lease, 3.4 against 2.8 ms on MySQL 9.7, 1.8 against 1.5 ms on MariaDB 10.11."""
+    found = {i["name"]: i["column_names"] for i in sa.inspect(conn).get_indexes("jobs")}
+    for name, old in (("ix_jobs_state_finished", None), ("ix_jobs_held_my", ["state", "spawned_by"])):
+        if name in found and (old is None or found[name] == old):
+            conn.execute(sa.DDL(f"DROP INDEX {name} ON jobs"))
+            del found[name]
+            logger.info("jobq: dropped the index %s (re-keyed without state, see _rekey_mysql_indexes)", name)
+    for name in ("ix_jobs_finished_my", "ix_jobs_held_my"):
+        if name not in found:
+            next(i for i in _jobs.indexes if i.name == name).create(conn)
 
 
 def _drop_parent_fk(conn: Connection) -> None:

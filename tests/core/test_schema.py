@@ -123,3 +123,60 @@ def test_the_jobs_table_is_tuned_for_churn(engine: sa.Engine) -> None:
     with engine.connect() as conn:
         opts = conn.exec_driver_sql("SELECT reloptions FROM pg_class WHERE relname = 'jobs'").scalar_one()
     assert "fillfactor=70" in opts and "autovacuum_vacuum_scale_factor=0.02" in opts
+
+
+def _index_keys(engine: sa.Engine) -> dict[str, list[str]]:
+    return {i["name"]: i["column_names"] for i in sa.inspect(engine).get_indexes("jobs")}
+
+
+@only("mysql", "mariadb")  # the engines without partial indexes
+def test_only_the_ready_index_leads_with_state_on_mysql_and_mariadb(engine: sa.Engine) -> None:
+    """Every state change (a claim's lease, a finish) moves an entry of each index that leads
+    with state; where partial indexes are missing only the claim's own scan may. The bug: the
+    finished or held-spawn index keyed (state, ...) again, a write more per row leased."""
+    jobq.create_schema(engine)
+    keys = _index_keys(engine)
+    assert {n for n, cols in keys.items() if cols[0] == "state"} == {"ix_jobs_ready_my"}
+    assert keys["ix_jobs_finished_my"] == ["finished_at"] and keys["ix_jobs_held_my"] == ["spawned_by"]
+
+
+@only("mysql", "mariadb")
+def test_state_led_indexes_of_before_are_rekeyed_in_place(engine: sa.Engine, dialect: str) -> None:
+    """A database made before the re-keying ((state, finished_at) and (state, spawned_by)) is
+    re-keyed by create_schema (twice: idempotent) without losing a row; prune, stats() and
+    held spawns then plan on the new keys. The bug either way: state-led indexes kept, or a
+    query left to scan the table."""
+    jobq.create_schema(engine)
+    with engine.begin() as conn:  # as every create_schema before this made them
+        conn.exec_driver_sql("DROP INDEX ix_jobs_finished_my ON jobs")
+        conn.exec_driver_sql("DROP INDEX ix_jobs_held_my ON jobs")
+        conn.exec_driver_sql("CREATE INDEX ix_jobs_state_finished ON jobs (state, finished_at)")
+        conn.exec_driver_sql("CREATE INDEX ix_jobs_held_my ON jobs (state, spawned_by)")
+    now = jobq._utcnow()
+    base = dict(type="t", args={}, is_container=False, group_key="g", weight=1, run_after=now, created_at=now,
+                updated_at=now, attempts=0, max_attempts=3, in_flight=False, cancel_requested=False, pending_deps=0,
+                pending_children=0, failed_children=0)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(jobq.Job.__table__), [dict(base, state="ready") for _ in range(2000)])
+        conn.execute(sa.insert(jobq.Job.__table__), [
+            dict(base, state="done", result={}, finished_at=now - dt.timedelta(minutes=i, seconds=30)) for i in range(2000)])
+        conn.execute(sa.insert(jobq.Job.__table__), [dict(base, state="held", spawned_by=i) for i in range(1, 200)])
+    jobq.create_schema(engine)
+    jobq.create_schema(engine)
+    keys = _index_keys(engine)
+    assert "ix_jobs_state_finished" not in keys
+    assert keys["ix_jobs_finished_my"] == ["finished_at"] and keys["ix_jobs_held_my"] == ["spawned_by"]
+    d = jobq._prepare(engine)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE TABLE jobs")
+        assert conn.execute(sa.select(sa.func.count()).select_from(jobq.Job.__table__)).scalar() == 4199
+        for stmt, want in (
+                (jobq._q_prunable(["done"], now - dt.timedelta(hours=32), 100), "ix_jobs_finished_my"),
+                (jobq._q_finished_by_state(now - dt.timedelta(minutes=30)), "ix_jobs_finished_my"),
+                (jobq._q_held_spawns(d, [5, 6]), "ix_jobs_held_my")):
+            sql = str(stmt.compile(engine, compile_kwargs={"literal_binds": True, "render_postcompile": True}))
+            explain = "EXPLAIN FORMAT=TRADITIONAL " if dialect == "mysql" else "EXPLAIN "  # MySQL 9: TREE by default
+            plan = [dict(r._mapping) for r in conn.exec_driver_sql(explain + sql)]
+            top = next(r for r in plan if r["table"] == "jobs")
+            assert top["key"] == want, f"{sql}\n{plan}"
+    assert jobq.prune(engine, dt.timedelta(hours=32)) == 80  # finished 32 h 0.5 min to 33 h 19.5 min before the test's clock

@@ -22,7 +22,7 @@ def _schema_1() -> sa.MetaData:
             t._columns.remove(t.c.n)  # type: ignore[attr-defined]
         if t.name == "jobs":
             for ix in list(t.indexes):
-                if ix.name in ("ix_jobs_finished", "ix_jobs_waiting", "ix_jobs_state_finished"):
+                if ix.name in ("ix_jobs_finished", "ix_jobs_waiting", "ix_jobs_finished_my"):
                     t.indexes.discard(ix)
             sa.Index("ix_jobs_state_finished", t.c.state, t.c.finished_at)
     return md
@@ -58,8 +58,8 @@ def test_a_schema_1_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
     indexes = {i["name"] for i in insp.get_indexes("jobs")}
     if engine.dialect.name in ("postgresql", "sqlite"):
         assert {"ix_jobs_finished", "ix_jobs_waiting"} <= indexes and "ix_jobs_state_finished" not in indexes
-    else:
-        assert "ix_jobs_state_finished" in indexes
+    else:  # re-keyed without state (_rekey_mysql_indexes)
+        assert "ix_jobs_finished_my" in indexes and "ix_jobs_state_finished" not in indexes
     with engine.connect() as conn:
         assert conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar() == str(jobq.SCHEMA_VERSION)
         assert conn.execute(sa.select(sa.func.sum(jobq._starts.c.n))).scalar() == 3  # old rows count one start each
