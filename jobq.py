@@ -549,7 +549,7 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
         # 1 -> 2: jobq_starts counts the jobs of one claim per row (one row per group per
         # claim instead of one per job); finished rows get a partial index of their own
         # instead of a (state, finished_at) index that every claim wrote to; waiting rows
-        # get one for stats().
+        # get one for stats(). (MySQL/MariaDB keep theirs until _rekey_mysql_indexes, below.)
         inspector = sa.inspect(conn)
         if "n" not in {c["name"] for c in inspector.get_columns("jobq_starts")}:
             conn.execute(_DDL_STARTS_N)
