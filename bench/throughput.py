@@ -175,6 +175,7 @@ def _pg_pipelined_loop(conn: Any, cap: int | None, stop: list[BaseException]) ->
     transaction finalizes the previous batch (fenced by its token) and claims the next, one
     commit per batch. With ``cap`` the global cap is decided as jobq decides it: inside the claim
     transaction, behind the claim_lock row (held until the commit), counting the jobs in flight."""
+    handler: Callable[[dict[str, Any]], None] = lambda args: None  # noqa: E731
     done = 0
     prev: list[int] = []
     prev_token = ""
@@ -201,8 +202,8 @@ def _pg_pipelined_loop(conn: Any, cap: int | None, stop: list[BaseException]) ->
             conn.commit()
             if not rows and not prev and want > 0:
                 return done
-            for _id, _type, args in rows:
-                json.dumps(args)  # the no-op
+            for _id, _type, args in rows:  # the no-op handler on each decoded row, as in the ceiling
+                handler(json.loads(args) if isinstance(args, (str, bytes)) else args)
             prev, prev_token = [r[0] for r in rows], token
     except BaseException as exc:  # noqa: BLE001 - reported by the drain
         stop.append(exc)
