@@ -88,7 +88,7 @@ def _dbapi_connect(url: str) -> tuple[Any, str]:
 # before, every engine sorted the whole ready set for each batch (9.9 ms of 20,000 rows on
 # PostgreSQL, against 0.2 ms from the index) and the ceiling was not one.
 _CLAIM_SELECT = ("SELECT {cols} FROM jobs WHERE state = 'ready' AND group_key = 'default' "
-                 "ORDER BY priority DESC, run_after, id LIMIT 50")
+                 "ORDER BY priority DESC, run_after, id LIMIT {limit}")
 _LEASE_SET = "state = 'running', lease_token = {p}, in_flight = {t}, attempts = attempts + 1, started_at = {p}"
 _DONE_SET = "state = 'done', result = {p}, in_flight = {f}, lease_token = NULL, finished_at = {p}"
 
@@ -98,7 +98,7 @@ def _now(fam: str) -> Any:
 
 
 def _my_claim(cur: Any, token: str, now: Any) -> list[Any]:
-    cur.execute(f"{_CLAIM_SELECT.format(cols='id, type, args')} FOR UPDATE SKIP LOCKED")
+    cur.execute(f"{_CLAIM_SELECT.format(cols='id, type, args', limit=50)} FOR UPDATE SKIP LOCKED")
     rows = list(cur.fetchall())
     if rows:
         ids = ",".join(str(r[0]) for r in rows)
@@ -126,10 +126,16 @@ def _retry_deadlock(conn: Any, work: Callable[[Any], Any]) -> Any:
             conn.rollback()
 
 
+def _run_noops(rows: list[Any]) -> None:
+    """The handler's part of a ceiling: decode each claimed row's args and call a no-op."""
+    handler: Callable[[dict[str, Any]], None] = lambda args: None  # noqa: E731
+    for _id, _type, args in rows:
+        handler(json.loads(args) if isinstance(args, (str, bytes)) else args)
+
+
 def _ceiling_loop(url: str) -> int:
     """Drain jobq's table with the least work a fenced batch queue can do; returns jobs done."""
     conn, fam = _dbapi_connect(url)
-    handler: Callable[[dict[str, Any]], None] = lambda args: None  # noqa: E731
     done = 0
     while True:
         token = uuid.uuid4().hex
@@ -137,20 +143,19 @@ def _ceiling_loop(url: str) -> int:
         if fam == "postgresql":
             with conn.cursor() as cur:
                 cur.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='%s', t='true')} WHERE id IN "
-                            f"({_CLAIM_SELECT.format(cols='id')} FOR UPDATE SKIP LOCKED) RETURNING id, type, args", (token, now))
+                            f"({_CLAIM_SELECT.format(cols='id', limit=50)} FOR UPDATE SKIP LOCKED) RETURNING id, type, args", (token, now))
                 rows = cur.fetchall()
             conn.commit()
         elif fam == "sqlite":
             conn.execute("BEGIN IMMEDIATE")
             rows = conn.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='?', t='1')} WHERE id IN "
-                                f"({_CLAIM_SELECT.format(cols='id')}) RETURNING id, type, args", (token, now)).fetchall()
+                                f"({_CLAIM_SELECT.format(cols='id', limit=50)}) RETURNING id, type, args", (token, now)).fetchall()
             conn.execute("COMMIT")
         else:
             rows = _retry_deadlock(conn, functools.partial(_my_claim, token=token, now=now))
         if not rows:
             break
-        for _id, _type, args in rows:
-            handler(json.loads(args) if isinstance(args, (str, bytes)) else args)
+        _run_noops(rows)
         ids = [r[0] for r in rows]
         now = _now(fam)
         if fam == "postgresql":
@@ -175,7 +180,6 @@ def _pg_pipelined_loop(conn: Any, cap: int | None, stop: list[BaseException]) ->
     transaction finalizes the previous batch (fenced by its token) and claims the next, one
     commit per batch. With ``cap`` the global cap is decided as jobq decides it: inside the claim
     transaction, behind the claim_lock row (held until the commit), counting the jobs in flight."""
-    handler: Callable[[dict[str, Any]], None] = lambda args: None  # noqa: E731
     done = 0
     prev: list[int] = []
     prev_token = ""
@@ -196,14 +200,13 @@ def _pg_pipelined_loop(conn: Any, cap: int | None, stop: list[BaseException]) ->
                 rows: list[Any] = []
                 if want > 0:
                     cur.execute(f"UPDATE jobs SET {_LEASE_SET.format(p='%s', t='true')} WHERE id IN "
-                                f"({_CLAIM_SELECT.format(cols='id').replace('LIMIT 50', 'LIMIT %s')} "
+                                f"({_CLAIM_SELECT.format(cols='id', limit='%s')} "
                                 "FOR UPDATE SKIP LOCKED) RETURNING id, type, args", (token, now, want))
                     rows = cur.fetchall()
             conn.commit()
             if not rows and not prev and want > 0:
                 return done
-            for _id, _type, args in rows:  # the no-op handler on each decoded row, as in the ceiling
-                handler(json.loads(args) if isinstance(args, (str, bytes)) else args)
+            _run_noops(rows)
             prev, prev_token = [r[0] for r in rows], token
     except BaseException as exc:  # noqa: BLE001 - reported by the drain
         stop.append(exc)
@@ -562,7 +565,9 @@ def table(results: dict[tuple[str, int], list[tuple[float, float]]], procs: tupl
     if "ceiling-5conn" in names:
         # What 1.5x PGQueuer asks of any client, and what the global cap costs a pipelined one.
         if "pgqueuer-tuned" in names:
-            ratio("ceiling-5conn", "pgqueuer-tuned", "ceiling-5conn / pgqueuer-tuned")
+            for name in ("ceiling-5conn", "ceiling-1conn-capped"):
+                if name in names:
+                    ratio(name, "pgqueuer-tuned", f"{name} / pgqueuer-tuned")
         if "ceiling-5conn-capped" in names:
             ratio("ceiling-5conn-capped", "ceiling-5conn", "global cap: ceiling-5conn-capped / ceiling-5conn")
     runs = sorted({v[2] for v in med.values()})
