@@ -46,6 +46,7 @@ from sqlalchemy.dialects import mysql as _mysql
 from sqlalchemy.dialects import postgresql as _pg
 from sqlalchemy.dialects import sqlite as _sqlite
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.compiler import compiles
 
 __version__ = "0.1.0"
 
@@ -697,6 +698,25 @@ def _state_is(*states: str) -> sa.ColumnElement[bool]:
     return _c.state.in_([sa.literal_column(f"'{s}'") for s in states])
 
 
+class _JobsUpdate(sa.Update):
+    """``UPDATE jobs``. One whose WHERE names its rows by id reaches them by the primary key on
+    every engine (_render_jobs_update, in the dialect section), whatever else it tests."""
+
+    inherit_cache = True
+
+
+def _update_jobs() -> _JobsUpdate:
+    return _JobsUpdate(_jobs)
+
+
+def _pins_ids(where: sa.ColumnElement[Any] | None) -> bool:
+    """Whether a WHERE clause names the jobs it touches by id (``id = x``, ``id IN (...)``)."""
+    if where is None:
+        return False
+    terms = where.clauses if isinstance(where, sa.BooleanClauseList) else [where]
+    return any(isinstance(t, sa.BinaryExpression) and t.left is _c.id for t in terms)
+
+
 _TRUE = sa.true()
 #: The claim's order within a group, as the ready index reads it: priority, then due, then id.
 _CLAIM_ORDER = (_c.priority.desc(), _c.run_after, _c.id)
@@ -1230,7 +1250,7 @@ def _q_insert_values(d: _Dialect, cols: tuple[str, ...], n: int) -> sa.TextClaus
 _Q_INSERT_DEPS = sa.insert(_deps)
 # A job born closed learns its cause's id only once every row of the submit has one.
 _Q_NAME_CAUSE = (
-    sa.update(_jobs).where(_c.id == sa.bindparam("b_id"))
+    _update_jobs().where(_c.id == sa.bindparam("b_id"))
     .values(closed_by=sa.bindparam("b_by"), error=sa.bindparam("b_error"))
 )
 
@@ -1264,7 +1284,7 @@ def _q_upstream_edges(ids: Sequence[int]) -> sa.Select[Any]:
 
 def _q_release_held(ids: Sequence[int], state: str, pending: int, now: _dt.datetime) -> sa.Update:
     return (
-        sa.update(_jobs).where(_c.id.in_(ids), _state_is("held"))
+        _update_jobs().where(_c.id.in_(ids), _state_is("held"))
         .values(state=state, pending_deps=pending, spawn_token=None, updated_at=now)
     )
 
@@ -1272,7 +1292,7 @@ def _q_release_held(ids: Sequence[int], state: str, pending: int, now: _dt.datet
 def _q_uncount_children(parent_id: int, n: int) -> sa.Update:
     """Discarded spawns leave their (waiting or held) container."""
     return (
-        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting", "held"))
+        _update_jobs().where(_c.id == parent_id, _state_is("waiting", "held"))
         .values(pending_children=_c.pending_children - n)
     )
 
@@ -1294,7 +1314,7 @@ def _q_lock_open_children(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
     after their containers were locked: a child enqueued later waits for the container's lock."""
     return d.lock_wait(
         sa.select(_c.id, _c.state, _c.parent_id, _c.is_container, _c.pending_deps)
-        .where(_c.parent_id.in_(ids), _state_is(*_OPEN)).order_by(_c.id)
+        .where(_c.parent_id.in_(ids), _state_is(*_OPEN)).order_by(_c.id), via="ix_jobs_parent"
     )
 
 
@@ -1339,7 +1359,7 @@ def _q_open_children(ids: Sequence[int]) -> sa.Select[Any]:
 def _q_add_children(parent_id: int, n: int) -> sa.Update:
     # held: a container spawned earlier by the same dispatch (checked by _insert_graph)
     return (
-        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting", "held"))
+        _update_jobs().where(_c.id == parent_id, _state_is("waiting", "held"))
         .values(pending_children=_c.pending_children + n)
     )
 
@@ -1350,7 +1370,7 @@ def _q_parents(ids: Sequence[int]) -> sa.Select[Any]:
 
 def _q_count_finished_children(parent_id: int, n: int, bad: int) -> sa.Update:
     return (
-        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting"))
+        _update_jobs().where(_c.id == parent_id, _state_is("waiting"))
         .values(pending_children=_c.pending_children - n, failed_children=_c.failed_children + bad)
     )
 
@@ -1361,7 +1381,7 @@ def _q_child_counts(parent_id: int) -> sa.Select[Any]:
 
 def _q_roll_up(parent_id: int, state: str, error: str | None, now: _dt.datetime) -> sa.Update:
     return (
-        sa.update(_jobs).where(_c.id == parent_id, _state_is("waiting"))
+        _update_jobs().where(_c.id == parent_id, _state_is("waiting"))
         .values(state=state, finished_at=now, updated_at=now, error=error)
     )
 
@@ -1388,7 +1408,7 @@ def _q_unstarted_children(ids: Sequence[int]) -> sa.Select[Any]:
 
 
 def _q_count_off(ids: Sequence[int], k: int) -> sa.Update:
-    return sa.update(_jobs).where(_c.id.in_(ids), _state_is("waiting")).values(pending_deps=_c.pending_deps - k)
+    return _update_jobs().where(_c.id.in_(ids), _state_is("waiting")).values(pending_deps=_c.pending_deps - k)
 
 
 def _q_unblocked(ids: Sequence[int]) -> sa.Select[Any]:
@@ -1396,7 +1416,7 @@ def _q_unblocked(ids: Sequence[int]) -> sa.Select[Any]:
 
 
 def _q_make_ready(ids: Sequence[int], now: _dt.datetime) -> sa.Update:
-    return sa.update(_jobs).where(_c.id.in_(ids), _state_is("waiting")).values(state="ready", updated_at=now)
+    return _update_jobs().where(_c.id.in_(ids), _state_is("waiting")).values(state="ready", updated_at=now)
 
 
 def _q_waiting_children(ids: Sequence[int]) -> sa.Select[Any]:
@@ -1407,7 +1427,7 @@ def _q_close(job_id: int, state: str, error: str, closed_by: int, now: _dt.datet
     """Close a job that has not started because ``closed_by`` (an upstream or its container)
     ended badly; retry follows closed_by back."""
     return (
-        sa.update(_jobs).where(_c.id == job_id, _state_is("waiting", "ready"))
+        _update_jobs().where(_c.id == job_id, _state_is("waiting", "ready"))
         .values(state=state, error=error, closed_by=closed_by, finished_at=now, updated_at=now)
     )
 
@@ -1416,17 +1436,17 @@ def _q_cancel_unstarted(ids: Sequence[int], error: str, now: _dt.datetime, *, ro
     """Cancel waiting/ready jobs: the root by request (closed by nobody), the rest of a subtree by
     their container."""
     return (
-        sa.update(_jobs).where(_c.id.in_(ids), _state_is("waiting", "ready"))
+        _update_jobs().where(_c.id.in_(ids), _state_is("waiting", "ready"))
         .values(state="cancelled", error=error, closed_by=None if root else _c.parent_id, finished_at=now, updated_at=now)
     )
 
 
 def _q_request_cancel(ids: Sequence[int]) -> sa.Update:
-    return sa.update(_jobs).where(_c.id.in_(ids), _state_is(*_LIVE)).values(cancel_requested=True)
+    return _update_jobs().where(_c.id.in_(ids), _state_is(*_LIVE)).values(cancel_requested=True)
 
 
 def _q_reopen(job_id: int, state: str, pending: int, now: _dt.datetime, **counters: int) -> sa.Update:
-    return sa.update(_jobs).where(_c.id == job_id).values(
+    return _update_jobs().where(_c.id == job_id).values(
         state=state, attempts=0, error=None, finished_at=None, run_after=now, updated_at=now, pending_deps=pending,
         cancel_requested=False, lease_token=None, closed_by=None, **counters,
     )
@@ -1435,7 +1455,7 @@ def _q_reopen(job_id: int, state: str, pending: int, now: _dt.datetime, **counte
 def _q_uncount_failed_child(parent_id: int) -> sa.Update:
     """A re-opened child is pending again in its (waiting) container."""
     return (
-        sa.update(_jobs).where(_c.id == parent_id)
+        _update_jobs().where(_c.id == parent_id)
         .values(pending_children=_c.pending_children + 1, failed_children=_c.failed_children - 1)
     )
 
@@ -1444,7 +1464,7 @@ def _q_withdraw_cancel(parent_id: int) -> sa.Update:
     """Children still running when their container was cancelled: a retried container wants
     their results after all."""
     return (
-        sa.update(_jobs).where(_c.parent_id == parent_id, _state_is(*_LIVE), _c.cancel_requested == _TRUE)
+        _update_jobs().where(_c.parent_id == parent_id, _state_is(*_LIVE), _c.cancel_requested == _TRUE)
         .values(cancel_requested=False)
     )
 
@@ -1484,7 +1504,7 @@ def _q_lease(d: _Dialect) -> sa.Update:
     # read them as ready, and checks the row count. A `state = 'ready'` here let PostgreSQL, on
     # stale statistics, walk the whole ready set through a state index (10 ms per claim at 20k).
     return _prebuilt(d, "lease", lambda: (
-        sa.update(_jobs).where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))
+        _update_jobs().where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))
         .values(**_lease_values())
     ))
 
@@ -1497,7 +1517,7 @@ def _q_lock_and_lease(d: _Dialect, name: str, lock: Callable[[], sa.Select[Any]]
     with _q_lease."""
     def build() -> sa.Select[Any]:
         locked = lock().add_columns(_c.priority, _c.run_after).cte("locked")
-        leased = (sa.update(_jobs).where(_c.id == locked.c.id).values(**_lease_values())
+        leased = (_update_jobs().where(_c.id == locked.c.id).values(**_lease_values())
                   .returning(*locked.c).cte("leased"))
         logged = _log_starts_of(leased.c.group_key).cte("logged")
         cols = [leased.c[col.name] for col in _LEASE_COLS]
@@ -1589,7 +1609,7 @@ def _q_finish(job_id: int, owner: str | None, token: str | None, result: Any, no
     # lease_token stays on the row: a finalize retried after an ambiguous COMMIT recognises
     # its own earlier success by it (see _finalize_rows).
     return (
-        sa.update(_jobs)
+        _update_jobs()
         .where(*_fence(job_id, owner, token))
         .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
     )
@@ -1604,7 +1624,7 @@ def _q_fail(
         values["run_after"] = run_after or now
     else:
         values["finished_at"] = now
-    return sa.update(_jobs).where(*_fence(job_id, owner, token)).values(**values)
+    return _update_jobs().where(*_fence(job_id, owner, token)).values(**values)
 
 
 def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None, token: str | None,
@@ -1621,7 +1641,7 @@ def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None
                                          "b_now": now}
     result = sa.case({o.job_id: sa.literal(o.result, _JSONCOL) for o in outcomes}, value=_c.id)
     return (
-        sa.update(_jobs)
+        _update_jobs()
         .where(_id_in(d, _c.id, ids), _state_is(*_LIVE), _c.cancel_requested == sa.false(),
                _c.lease_owner == owner, _c.lease_token == token)
         .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
@@ -1631,7 +1651,7 @@ def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None
 def _q_finish_batch_same(d: _Dialect) -> sa.Update:
     # _q_finish_batch's statement when all rows get one result; keep the two in sync.
     return _prebuilt(d, "finish_batch_same", lambda: (
-        sa.update(_jobs)
+        _update_jobs()
         .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))), _state_is(*_LIVE),
                _c.cancel_requested == sa.false(), _c.lease_owner == sa.bindparam("b_owner", type_=sa.String(200)),
                _c.lease_token == sa.bindparam("b_token", type_=sa.String(32)))
@@ -1677,7 +1697,7 @@ _Q_FREE_SLOT = sa.delete(_slots).where(_slots.c.token == sa.bindparam("b_token")
 
 def _q_cancel_live(job_id: int, owner: str | None, token: str | None, now: _dt.datetime) -> sa.Update:
     return (
-        sa.update(_jobs)
+        _update_jobs()
         .where(*_fence(job_id, owner, token, cancelled=True))
         .values(state="cancelled", error="cancelled while running", finished_at=now, updated_at=now, **_CLEAR_LEASE)
     )
@@ -1686,7 +1706,7 @@ def _q_cancel_live(job_id: int, owner: str | None, token: str | None, now: _dt.d
 def _q_release(job_id: int, owner: str | None, token: str | None, now: _dt.datetime) -> sa.Update:
     # A graceful release is not a failed attempt: the attempt the claim counted is given back.
     return (
-        sa.update(_jobs)
+        _update_jobs()
         .where(*_fence(job_id, owner, token))
         .values(state="ready", attempts=_c.attempts - 1, lease_token=None, run_after=now, updated_at=now, **_CLEAR_LEASE)
     )
@@ -1745,13 +1765,13 @@ def _q_checkpoint(job_id: int, owner: str, token: str, state: Any, progress: Any
     """Store a handler's checkpoint (and its latest progress, if any), fenced by its dispatch's
     lease (0 rows: the lease is lost)."""
     extra = {} if progress is None else {"progress": progress}
-    return (sa.update(_jobs).where(_c.id == job_id, _state_is(*_LIVE), _c.lease_owner == owner, _c.lease_token == token)
+    return (_update_jobs().where(_c.id == job_id, _state_is(*_LIVE), _c.lease_owner == owner, _c.lease_token == token)
             .values(checkpoint=state, updated_at=now, **extra))
 
 
 def _q_progress(job_id: int, token: str, progress: Any) -> sa.Update:
     """A handler's latest progress, carried by the heartbeat and fenced as it is."""
-    return sa.update(_jobs).where(_c.id == job_id, _c.lease_token == token, _state_is(*_LIVE)).values(progress=progress)
+    return _update_jobs().where(_c.id == job_id, _c.lease_token == token, _state_is(*_LIVE)).values(progress=progress)
 
 
 def _q_running_progress(limit: int) -> sa.Select[Any]:
@@ -1762,7 +1782,7 @@ def _q_running_progress(limit: int) -> sa.Select[Any]:
 
 def _q_heartbeat(ids: list[int], token: str, now: _dt.datetime, expires: _dt.datetime) -> sa.Update:
     return (
-        sa.update(_jobs)
+        _update_jobs()
         .where(_c.id.in_(ids), _c.lease_token == token, _state_is(*_LIVE))
         .values(lease_expires=expires, heartbeat_at=now)
     )
@@ -1828,7 +1848,7 @@ def _q_record_reclaims(ids: list[int], now: _dt.datetime, kind: str) -> sa.Inser
 def _q_reclaim_cancelled(ids: list[int], now: _dt.datetime) -> sa.Update:
     # As _q_reclaim: a row that finished or was re-leased since it was read is left alone.
     return (
-        sa.update(_jobs).where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
+        _update_jobs().where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
         .values(state="cancelled", error=_reclaim_error("cancelled"), finished_at=now,
                 updated_at=now, **_CLEAR_LEASE)
     )
@@ -1851,7 +1871,7 @@ def _q_expired(d: _Dialect) -> sa.Select[Any]:
 def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
     # The sweep's condition is repeated in the UPDATE itself: a row that finished or was
     # re-leased since it was read is left alone.
-    stmt = sa.update(_jobs).where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
+    stmt = _update_jobs().where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
     if dead:
         return stmt.values(
             state="failed",
@@ -1989,6 +2009,15 @@ class _Dialect:
     #: term MariaDB dropped the ORDER BY ... LIMIT index choice and sorted a big group's whole
     #: ready set (tests/core/test_priority.py catches it).
     ready_index_hint: str = ""
+    #: FORCE INDEX for statements that lock or rewrite rows they name (MySQL/MariaDB). InnoDB
+    #: waits for the lock on every row such a statement examines, matching or not (its
+    #: semi-consistent read, which skips a locked row that does not match, works only on a
+    #: primary key scan). An ``UPDATE ... WHERE id IN (5 ids) AND state = 'waiting'`` planned
+    #: through the ready index, as both engines plan it once few rows are waiting, read every
+    #: waiting job and waited for any that another transaction held: a cancel or a finalize
+    #: elsewhere in the graph. Such statements go by the primary key (or by the index that
+    #: names their rows, cancel's walk by parent) and wait only for the rows they name.
+    index_hints: bool = False
     #: LATERAL joins over unnest() of a bound array (PostgreSQL): the claim's window read is
     #: one statement of fixed text (_q_window_lateral) instead of a UNION per window size.
     lateral_arrays: bool = False
@@ -2034,10 +2063,15 @@ class _Dialect:
         # Oracle MySQL rejects (sqlalchemy#10134).
         return stmt.with_for_update(skip_locked=True, key_share=self.key_share_locks)
 
-    def lock_wait(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
-        """Exclusive row locks that wait (the cap's serialisation point)."""
+    def lock_wait(self, stmt: sa.Select[Any], *, via: str | None = None) -> sa.Select[Any]:
+        """Exclusive row locks that wait (the cap's serialisation point). Rows named by id are
+        read by the primary key, others through the index ``via`` (see index_hints)."""
         if not self.row_locks:
             return stmt
+        if via is None and _pins_ids(stmt.whereclause):
+            via = "PRIMARY"
+        if via is not None and self.index_hints:
+            stmt = stmt.with_hint(_jobs, f"FORCE INDEX ({via})")
         return stmt.with_for_update(key_share=self.key_share_locks)
 
     def lock_share(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
@@ -2185,11 +2219,25 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                         recursion_hint="" if family == "mariadb" else
                         "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
                         live_key_column="unique_live", ranged_group_scan=True,
-                        ready_index_hint="FORCE INDEX (ix_jobs_ready_my)", parent_fk=family == "mariadb")
+                        ready_index_hint="FORCE INDEX (ix_jobs_ready_my)", parent_fk=family == "mariadb",
+                        index_hints=True)
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
     return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
                     rowid_reuse=True, on_conflict=_sqlite.insert, compound_limits=False,
                     json_id_lists=version >= (3, 38), scan_reads_window=version >= (3, 38))
+
+
+@compiles(_JobsUpdate)
+def _render_jobs_update(stmt: _JobsUpdate, compiler: Any, **kw: Any) -> str:
+    """UPDATE jobs, by the primary key where it names its rows by id and the engine needs the
+    hint (_Dialect.index_hints)."""
+    sql: str = compiler.visit_update(stmt, **kw)
+    if _capabilities(_family(compiler.dialect), ()).index_hints and _pins_ids(stmt.whereclause):
+        head = f"UPDATE {compiler.preparer.format_table(_jobs)} "
+        if not sql.startswith(head):
+            raise AssertionError(f"jobq: unexpected UPDATE text: {sql[:60]!r}")
+        sql = f"{head}FORCE INDEX (PRIMARY) {sql[len(head):]}"
+    return sql
 
 
 #: The lock concurrent create_schema calls queue on: a PostgreSQL advisory lock id ("jobq" in

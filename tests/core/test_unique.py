@@ -171,7 +171,8 @@ def _race_with_an_uncommitted_holder(engine: sa.Engine, b_returns_first: bool = 
         if b_returns_first:
             wait_for(lambda: got, timeout=30, what="B to return while A is uncommitted")
         else:
-            wait_for(lambda: got or _waiting_for_a_lock(engine), timeout=30, what="B to wait on A's key")
+            # (InnoDB refreshes innodb_trx only once nobody has read it for 0.1 s: poll slower)
+            wait_for(lambda: got or _waiting_for_a_lock(engine), timeout=30, interval=0.25, what="B to wait on A's key")
         a_conn.commit()
     b.join(timeout=30)
     assert got, "B never returned"
