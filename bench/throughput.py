@@ -13,6 +13,8 @@ Contenders, per engine:
   commit; run the no-op; finalize all 50 in one fenced `UPDATE` and commit. No cap, no groups, no
   DAG bookkeeping, no heartbeats, no dispatch to threads.
 * `jobq`: `Worker(max_concurrency=64 per process).run_until_idle()`, defaults otherwise.
+* PostgreSQL, `jobq-250`: the same with 250 slots per process, the most jobs PGQueuer tuned holds
+  in flight per process (5 queue managers x batch 50): the two at the same capacity.
 * PostgreSQL, pipelined ceilings: the ceiling's work in jobq's tick shape (one transaction
   finalizes the previous batch and claims the next), run by threads on their own connections in
   each process. `ceiling-5conn`: 5 connections, as PGQueuer tuned runs 5 queue managers, and no
@@ -485,12 +487,18 @@ def _installed(module: str, extra: str = "bench") -> bool:
         return False
 
 
+_PGQ_TUNED_IN_FLIGHT = 5 * 50  # PGQueuer tuned's queue managers x batch size, per process
+
+
 def contenders(url: str, peer_url: str | None, want: set[str] | None, conc: int = 64) -> list[Contender]:
     fam = sa.make_url(url).get_backend_name()
     out = [Contender("ceiling", _jobq_seed, _setup_ceiling), Contender("jobq", _jobq_seed, _setup_jobq, (conc,))]
     if fam == "postgresql" and _installed("pgqueuer") and _installed("asyncpg") and _installed("uvloop"):
         out.append(Contender("pgqueuer-tuned", _pgq_seed, _setup_pgq, (5, 50, True)))
         out.append(Contender("pgqueuer-defaults", _pgq_seed, _setup_pgq, (1, 10, False)))
+        # jobq with PGQueuer tuned's capacity: 5 queue managers x batch 50 = up to 250 jobs in
+        # flight per process, where `jobq` has 64 slots.
+        out.append(Contender("jobq-250", _jobq_seed, _setup_jobq, (_PGQ_TUNED_IN_FLIGHT,)))
     if fam == "postgresql":
         # What the global cap costs a queue that pipelines like PGQueuer tuned: the ceiling on 5
         # connections per process, without and with the cap's serialised claim.
@@ -560,8 +568,10 @@ def table(results: dict[tuple[str, int], list[tuple[float, float]]], procs: tupl
             cells.append(f"**{a[0] / b[0]:.2f}×**" if a and b else "–")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    for peer in (x for x in names if x != "jobq" and not x.startswith("ceiling")):
+    for peer in (x for x in names if not x.startswith(("jobq", "ceiling"))):
         ratio("jobq", peer, f"jobq / {peer}")
+    if "jobq-250" in names and "pgqueuer-tuned" in names:
+        ratio("jobq-250", "pgqueuer-tuned", "jobq-250 / pgqueuer-tuned (same jobs in flight)")
     if "ceiling-5conn" in names:
         # What 1.5x PGQueuer asks of any client, and what the global cap costs a pipelined one.
         if "pgqueuer-tuned" in names:
