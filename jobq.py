@@ -699,8 +699,9 @@ def _state_is(*states: str) -> sa.ColumnElement[bool]:
 
 
 class _JobsUpdate(sa.Update):
-    """``UPDATE jobs``. One whose WHERE names its rows by id reaches them by the primary key on
-    every engine (_render_jobs_update, in the dialect section), whatever else it tests."""
+    """``UPDATE jobs``. One whose WHERE names its rows by id reaches them by the primary key,
+    whatever else it tests, where the engine needs telling (_Dialect.index_hints; rendered by
+    _render_jobs_update in the dialect section)."""
 
     inherit_cache = True
 

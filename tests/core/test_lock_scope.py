@@ -32,8 +32,8 @@ def ok(ctx: jobq.JobContext) -> dict:
 
 
 def _record(engine: sa.Engine) -> list[tuple[str, Any]]:
-    """Run the DAG paths that name rows by id (finalize with dependents and a container, a batch
-    heartbeat, cancel of a subtree, fail, retry) and return their UPDATE and locking statements."""
+    """Run the DAG paths that name rows by id (finalize with dependents and a container, cancel
+    of a subtree, fail, retry, a worker's drain) and return their UPDATE and locking statements."""
     seen: list[tuple[str, Any]] = []
 
     def grab(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
@@ -73,7 +73,7 @@ def _key(engine: sa.Engine, statement: str, parameters: Any) -> str | None:
     try:
         cur = raw.cursor()
         sql = cur.mogrify(statement, parameters) if parameters else statement
-        fmt = "FORMAT=TRADITIONAL " if not engine.dialect.name == "mariadb" and "MariaDB" not in raw.get_server_info() else ""
+        fmt = "" if "MariaDB" in raw.get_server_info() else "FORMAT=TRADITIONAL "  # MySQL 9 defaults to TREE
         cur.execute(f"EXPLAIN {fmt}{sql}")
         names = [c[0] for c in cur.description]
         keys = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
@@ -132,9 +132,9 @@ def test_the_statements_without_their_index_hints_are_caught(engine: sa.Engine, 
 def _waits_on_an_unrelated_row(engine: sa.Engine, via: str = "PRIMARY") -> bool:
     """Hold one unrelated waiting job locked, then run the finalize-time decrement of N
     dependents' counts (finished by now) on another connection, as jobq renders it but through
-    index ``via``. True if that UPDATE waited for
-    a lock: the holder keeps its row until the UPDATE has returned, so a wait of any length
-    ends in the lock wait timeout, and an UPDATE that waits for nothing never meets it."""
+    index ``via``. True if that UPDATE waited for a lock: the holder keeps its row until the
+    UPDATE has returned, so a wait of any length ends in the lock wait timeout, and an UPDATE
+    that waits for nothing never meets it."""
     up = jobq.enqueue(engine, "x")
     victim = jobq.enqueue(engine, "t", depends_on=[up])
     deps = [jobq.enqueue(engine, "t") for _ in range(N)]

@@ -14,7 +14,7 @@ from sqlalchemy import orm
 
 import jobq
 from dbs import only
-from helpers import FAST, jobs, snapshot, wait_for
+from helpers import FAST, INNODB_TRX_POLL, jobs, snapshot, wait_for
 
 
 def _live(engine: sa.Engine, key: str) -> list[int]:
@@ -171,8 +171,8 @@ def _race_with_an_uncommitted_holder(engine: sa.Engine, b_returns_first: bool = 
         if b_returns_first:
             wait_for(lambda: got, timeout=30, what="B to return while A is uncommitted")
         else:
-            # (InnoDB refreshes innodb_trx only once nobody has read it for 0.1 s: poll slower)
-            wait_for(lambda: got or _waiting_for_a_lock(engine), timeout=30, interval=0.25, what="B to wait on A's key")
+            wait_for(lambda: got or _waiting_for_a_lock(engine), timeout=30, interval=INNODB_TRX_POLL,
+                     what="B to wait on A's key")
         a_conn.commit()
     b.join(timeout=30)
     assert got, "B never returned"

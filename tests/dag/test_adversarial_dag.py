@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
-from helpers import snapshot, state, wait_for
+from helpers import INNODB_TRX_POLL, snapshot, state, wait_for
 
 jobs = jobq.Job.__table__
 FAST = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
@@ -242,11 +242,6 @@ def _backend(conn: sa.Connection) -> int:
     return int(conn.exec_driver_sql(sql).scalar_one())
 
 
-# InnoDB refreshes information_schema.innodb_trx only once nobody has read it for 0.1 s: a
-# poll every 20 ms kept showing the first answer, and never saw a lock wait that began later.
-_LOCK_POLL = 0.25
-
-
 def _waits_for_a_row_lock(engine: sa.Engine, backend: int) -> bool:
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
@@ -282,7 +277,7 @@ def _cancel_held_at(engine: sa.Engine, held: int, root: int, meanwhile: Any) -> 
     canceller.start()
     side = threading.Thread(target=call, args=("meanwhile", meanwhile))
     try:
-        wait_for(lambda: _waits_for_a_row_lock(engine, backend), timeout=30, interval=_LOCK_POLL,
+        wait_for(lambda: _waits_for_a_row_lock(engine, backend), timeout=30, interval=INNODB_TRX_POLL,
                  what="cancel to wait for the held row")
         side.start()
         side.join(30)
