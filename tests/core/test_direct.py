@@ -1,0 +1,209 @@
+"""The hot path's statements on the DBAPI cursor (jobq._Direct, _hot_rows, _hot_rowcount).
+
+A busy worker's claim and finalize skip ``Connection.execute`` where the statement allows it.
+What ``Connection.execute`` did that matters must still happen: values converted both ways as
+the column types say, database errors raised as SQLAlchemy's DBAPIError (which _transaction's
+retry rules and the worker's error handling read), a lost connection invalidated, and every
+statement shown to cursor-execute listeners (then nothing skips). Each property has a BROKEN
+variant next to it that the same check catches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+from dbs import only
+from helpers import FAST
+
+jobs = jobq.Job.__table__
+
+
+def _noop(ctx: jobq.JobContext) -> None:
+    return None
+
+
+def _drain(engine: sa.Engine, n: int = 30) -> None:
+    for i in range(n):
+        jobq.enqueue(engine, "t", group_key=f"g{i % 3}")
+    w = jobq.Worker(engine, {"t": _noop}, max_concurrency=8, **FAST)
+    assert w.run_until_idle(timeout=60)
+    with engine.connect() as conn:
+        got = conn.execute(sa.select(jobs.c.state, jobs.c.attempts, sa.func.count()).group_by(jobs.c.state, jobs.c.attempts)).all()
+    assert [tuple(r) for r in got] == [("done", 1, n)]
+
+
+def _on_cursor_calls(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Drain a small queue over three groups; the statements that ran on the cursor."""
+    seen: list[Any] = []
+    real = jobq._on_cursor
+
+    def spy(conn: sa.Connection, form: Any, params: Any, rows: bool) -> Any:
+        seen.append(form.stmt)
+        return real(conn, form, params, rows)
+
+    monkeypatch.setattr(jobq, "_on_cursor", spy)
+    _drain(engine)
+    return seen
+
+
+def test_a_drain_runs_its_claim_and_finalize_on_the_cursor(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _on_cursor_calls(engine, monkeypatch)
+    d = jobq._prepare(engine)
+    # Every engine: the claim's lock (or its read of the stored policy) and its in-flight count.
+    assert any(s is jobq._q_lock_claim(d, p) or s is jobq._q_claim_lock_value(p) for s in seen for p in (False, True))
+    assert jobq._Q_SLOTS_IN_USE in seen
+    if engine.dialect.name in ("postgresql", "sqlite"):  # ids bound as one array: the finalize too
+        finish = jobq._q_finish_recorded(d) if d.dml_ctes else jobq._q_finish_batch_same(d)
+        assert finish in seen
+
+
+def test_a_drain_without_the_cursor_path_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: every statement through Connection.execute."""
+    monkeypatch.setattr(jobq, "_direct", lambda conn: False)
+    assert _on_cursor_calls(engine, monkeypatch) == []
+
+
+def _listened(engine: sa.Engine) -> list[str]:
+    seen: list[str] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        seen.append(" ".join(statement.split()))
+
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    try:
+        _drain(engine)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", capture)
+    return seen
+
+
+def _claim_lock_sql(engine: sa.Engine) -> list[str]:
+    d = jobq._prepare(engine)
+    return [" ".join(str(s.compile(dialect=engine.dialect)).split())
+            for s in (jobq._Q_SLOTS_IN_USE, jobq._q_lock_claim(d), jobq._q_lock_claim(d, True))]
+
+
+def test_statement_listeners_see_every_statement_of_a_drain(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _listened(engine)
+    slots, lock, pinned = _claim_lock_sql(engine)
+    assert slots in seen
+    assert lock in seen or pinned in seen
+
+
+def test_listeners_that_miss_the_cursor_path_are_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: the cursor path taken although a listener watches."""
+    monkeypatch.setattr(jobq, "_direct", lambda conn: True)
+    seen = _listened(engine)
+    slots, _lock, _pinned = _claim_lock_sql(engine)
+    assert slots not in seen
+
+
+_NO_TABLE = sa.select(sa.table("jobq_no_such_table", sa.column("x")).c.x).where(sa.literal_column("x") == sa.bindparam("b_x", type_=sa.Integer))
+
+
+def _error_of(engine: sa.Engine) -> BaseException:
+    with engine.connect() as conn:
+        assert jobq._direct_form(conn.dialect, _NO_TABLE) is not None
+        try:
+            jobq._hot_rows(conn, _NO_TABLE, {"b_x": 1})
+        except BaseException as exc:  # noqa: BLE001 - the test inspects what came out
+            return exc
+        finally:
+            conn.rollback()
+    raise AssertionError("a read of a missing table did not fail")
+
+
+def test_a_database_error_on_the_cursor_is_a_sqlalchemy_error(engine: sa.Engine) -> None:
+    exc = _error_of(engine)
+    assert isinstance(exc, sa.exc.DBAPIError), repr(exc)
+    assert isinstance(exc.orig, engine.dialect.loaded_dbapi.Error)
+    assert "jobq_no_such_table" in (exc.statement or "")
+    assert not exc.connection_invalidated
+
+
+def test_a_raw_driver_error_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: the driver's error passed on unwrapped."""
+
+    def naive(conn: sa.Connection, form: Any, params: Any, rows: bool) -> Any:
+        cur = conn.connection.cursor()
+        values = form.compiled.construct_params(params)
+        cur.execute(form.sql, values if form.order is None else tuple(values[k] for k in form.order))
+        return cur.fetchall() if rows else cur.rowcount
+
+    monkeypatch.setattr(jobq, "_on_cursor", naive)
+    assert not isinstance(_error_of(engine), sa.exc.DBAPIError)
+
+
+_KILL = {"postgresql": ("SELECT pg_backend_pid()", "SELECT pg_terminate_backend({})"),
+         "mysql": ("SELECT CONNECTION_ID()", "KILL {}"), "mariadb": ("SELECT CONNECTION_ID()", "KILL {}")}
+
+
+def _lost(engine: sa.Engine) -> tuple[BaseException, bool]:
+    """Kill a connection's server session from another, then run a hot statement on it: what
+    it raised, and whether the connection is invalidated."""
+    own, kill = _KILL[engine.dialect.name]
+    conn = engine.connect()
+    try:
+        pid = conn.exec_driver_sql(own).scalar()
+        conn.commit()
+        with engine.connect() as other:
+            other.exec_driver_sql(kill.format(int(pid)))
+            other.commit()
+        try:
+            conn.begin()
+            jobq._hot_rows(conn, jobq._Q_SLOTS_IN_USE, {"b_now": dt.datetime(2026, 1, 1)})
+        except BaseException as exc:  # noqa: BLE001 - the test inspects what came out
+            return exc, conn.invalidated
+        raise AssertionError("a statement on a killed session did not fail")
+    finally:
+        with contextlib.suppress(sa.exc.DBAPIError):  # a dead connection left valid fails its rollback
+            conn.close()
+
+
+@only("postgresql", "mysql", "mariadb")  # a server session to kill
+def test_a_connection_lost_on_the_cursor_is_invalidated(engine: sa.Engine) -> None:
+    exc, invalidated = _lost(engine)
+    assert isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated, repr(exc)
+    assert invalidated
+
+
+@only("postgresql", "mysql", "mariadb")
+def test_a_lost_connection_left_valid_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: errors wrapped, but a disconnect not recognised (the pool would hand the dead
+    connection out again, and _transaction would not know the transaction never committed)."""
+    monkeypatch.setattr(engine.dialect, "is_disconnect", lambda *a, **k: False)
+    exc, invalidated = _lost(engine)
+    assert isinstance(exc, sa.exc.DBAPIError)
+    assert not exc.connection_invalidated and not invalidated
+
+
+_CREATED = sa.select(jobs.c.id, jobs.c.created_at, jobs.c.args).where(jobs.c.id == sa.bindparam("b_id", type_=sa.BigInteger))
+
+
+def _both_ways(engine: sa.Engine) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    job_id = jobq.enqueue(engine, "t", args={"a": [1, "é"]})
+    with engine.connect() as conn:
+        direct = [tuple(r) for r in jobq._hot_rows(conn, _CREATED, {"b_id": job_id})]
+        executed = [tuple(r) for r in conn.execute(_CREATED, {"b_id": job_id})]
+        conn.rollback()
+    return direct, executed
+
+
+def test_values_come_back_as_the_column_types_say(engine: sa.Engine) -> None:
+    direct, executed = _both_ways(engine)
+    assert direct == executed
+    assert isinstance(direct[0][1], dt.datetime) and direct[0][2] == {"a": [1, "é"]}
+
+
+@only("sqlite")  # the one engine whose driver returns datetimes and JSON as text
+def test_values_left_unconverted_are_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: the rows as the driver returns them."""
+    monkeypatch.setattr(jobq._Direct, "rows", lambda self, cur: cur.fetchall())
+    direct, executed = _both_ways(engine)
+    assert direct != executed and isinstance(direct[0][1], str)
