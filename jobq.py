@@ -855,10 +855,21 @@ def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
         stmt = sa.select(*_LEASE_COLS).where(_state_is("ready"), _c.group_key == sa.bindparam("b_group"),
                                             _c.run_after <= sa.bindparam("b_now", type_=_TS))
         if typed:
-            stmt = stmt.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
+            stmt = stmt.where(_types_in(d))
         return d.lock_skip(stmt.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
 
     return _prebuilt(d, f"candidates:{typed}", build)
+
+
+def _types_in(d: _Dialect) -> sa.ColumnElement[bool]:
+    """``type IN b_types`` as one bound value where the engine takes one (an array on
+    PostgreSQL, a JSON array on SQLite), so the statement has no expanding list and runs on
+    the cursor (_Direct); an expanding list elsewhere."""
+    if d.array_params:
+        return _c.type == sa.any_(sa.bindparam("b_types", type_=_pg.ARRAY(sa.String(200))))
+    if d.json_id_lists:
+        return _id_in(d, _c.type, sa.bindparam("b_types"))
+    return _c.type.in_(sa.bindparam("b_types", expanding=True))
 
 
 #: Group terms of one window read (_q_window_candidates), padded up to a power of two so that a

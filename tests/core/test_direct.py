@@ -29,17 +29,20 @@ def _noop(ctx: jobq.JobContext) -> None:
 
 
 def _drain(engine: sa.Engine, n: int = 30) -> None:
-    for i in range(n):
-        jobq.enqueue(engine, "t", group_key=f"g{i % 3}")
+    """Drain n jobs over three groups, then n in one group (the claim's two locking reads);
+    each done once."""
     w = jobq.Worker(engine, {"t": _noop}, max_concurrency=8, **FAST)
-    assert w.run_until_idle(timeout=60)
+    for groups in (3, 1):
+        for i in range(n):
+            jobq.enqueue(engine, "t", group_key=f"g{i % groups}")
+        assert w.run_until_idle(timeout=60)
     with engine.connect() as conn:
         got = conn.execute(sa.select(jobs.c.state, jobs.c.attempts, sa.func.count()).group_by(jobs.c.state, jobs.c.attempts)).all()
-    assert [tuple(r) for r in got] == [("done", 1, n)]
+    assert [tuple(r) for r in got] == [("done", 1, 2 * n)]
 
 
 def _on_cursor_calls(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Drain a small queue over three groups; the statements that ran on the cursor."""
+    """_drain; the statements that ran on the cursor."""
     seen: list[Any] = []
     real = jobq._on_cursor
 
@@ -58,9 +61,11 @@ def test_a_drain_runs_its_claim_and_finalize_on_the_cursor(engine: sa.Engine, mo
     # Every engine: the claim's lock (or its read of the stored policy) and its in-flight count.
     assert any(s is jobq._q_lock_claim(d, p) or s is jobq._q_claim_lock_value(p) for s in seen for p in (False, True))
     assert jobq._Q_SLOTS_IN_USE in seen
-    if engine.dialect.name in ("postgresql", "sqlite"):  # ids bound as one array: the finalize too
+    if engine.dialect.name in ("postgresql", "sqlite"):  # ids and types bound as one array: the rest too
         finish = jobq._q_finish_recorded(d) if d.dml_ctes else jobq._q_finish_batch_same(d)
         assert finish in seen
+        for name, lock in (("chosen", lambda: jobq._q_lock_chosen(d)), ("candidates:True", lambda: jobq._q_candidates(d, True))):
+            assert (jobq._q_lock_and_lease(d, name, lock) if d.dml_ctes else lock()) in seen, name
 
 
 def test_a_drain_without_the_cursor_path_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
