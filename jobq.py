@@ -2584,7 +2584,7 @@ class _Direct:
     result processors, the dialect's paramstyle, and errors raised as SQLAlchemy's DBAPIError
     with the connection invalidated on a disconnect (_transaction's retry rules read both)."""
 
-    __slots__ = ("stmt", "sql", "compiled", "binds", "order", "columns", "results")
+    __slots__ = ("stmt", "sql", "compiled", "binds", "order", "expanding", "columns", "results")
 
     def __init__(self, stmt: Any, compiled: Any, binds: dict[str, Callable[[Any], Any]], order: tuple[str, ...] | None):
         self.stmt = stmt  # kept alive: the cache is keyed on its id
@@ -2592,6 +2592,9 @@ class _Direct:
         self.compiled = compiled
         self.binds = binds
         self.order = order  # positional paramstyles: the parameters' order; None: by name
+        # Expanding IN lists (MySQL/MariaDB's id lists): rendered per call for the list's
+        # length, as Connection.execute renders them (SQLCompiler.construct_expanded_state).
+        self.expanding = bool(compiled.post_compile_params)
         # The result columns' types (a text() without .columns() has none: its values come as
         # the driver gives them, as from Connection.execute), and per column its result
         # processor, resolved on the first execution from the cursor's type codes (as
@@ -2621,8 +2624,8 @@ _DIRECT_FORMS = 256
 
 def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
     """``stmt`` compiled for ``dialect``, or None where only Connection.execute runs it right:
-    parameters rendered at execution (expanding IN lists, literal binds), bind names that need
-    escaping, or a driver that wants input sizes."""
+    literal binds rendered at execution, bind names that need escaping, or a driver that wants
+    input sizes."""
     forms = _DIRECT.get(dialect)
     if forms is None:
         forms = _DIRECT[dialect] = {}
@@ -2635,8 +2638,8 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
         return None  # a statement built per call would grow the cache without bound
     form: _Direct | None = None
     compiled = stmt.compile(dialect=dialect)
-    if (not compiled.post_compile_params and not compiled.literal_execute_params and not compiled.escaped_bind_names
-            and dialect.bind_typing is not BindTyping.SETINPUTSIZES):
+    if (all(b.expanding for b in compiled.post_compile_params) and not compiled.literal_execute_params
+            and not compiled.escaped_bind_names and dialect.bind_typing is not BindTyping.SETINPUTSIZES):
         binds = {name: proc for b, name in compiled.bind_names.items()
                  if (proc := b.type.dialect_impl(dialect).bind_processor(dialect)) is not None}
         form = _Direct(stmt, compiled, binds, tuple(compiled.positiontup) if compiled.positional else None)
@@ -2655,14 +2658,24 @@ def _direct(conn: Connection) -> bool:
 def _on_cursor(conn: Connection, form: _Direct, params: Mapping[str, Any], rows: bool) -> Any:
     """Run ``form`` with ``params`` on a cursor of ``conn``'s DBAPI connection, inside its
     transaction: the rows as tuples (``rows``), else the row count."""
-    values = form.compiled.construct_params(params)
-    for name, proc in form.binds.items():
-        values[name] = proc(values[name])
-    args: Any = values if form.order is None else tuple([values[k] for k in form.order])
+    sql, order = form.sql, form.order
+    if form.expanding:
+        state = form.compiled.construct_expanded_state(params)
+        sql, values, order = state.statement, dict(state.parameters), state.positiontup
+        for name, proc in state.processors.items():  # the lists' elements
+            values[name] = proc(values[name])
+        for name, proc in form.binds.items():
+            if name in values:  # not an expanded list
+                values[name] = proc(values[name])
+    else:
+        values = form.compiled.construct_params(params)
+        for name, proc in form.binds.items():
+            values[name] = proc(values[name])
+    args: Any = values if order is None else tuple([values[k] for k in order])
     dbapi_conn = conn.connection
     cur = dbapi_conn.cursor()
     try:
-        cur.execute(form.sql, args)
+        cur.execute(sql, args)
         return form.rows(cur) if rows else cur.rowcount
     except Exception as exc:
         base = conn.dialect.loaded_dbapi.Error
@@ -2671,7 +2684,7 @@ def _on_cursor(conn: Connection, form: _Direct, params: Mapping[str, Any], rows:
         lost = conn.dialect.is_disconnect(exc, dbapi_conn.dbapi_connection, cur)
         if lost:
             conn.invalidate(exc)
-        raise sa.exc.DBAPIError.instance(form.sql, args, exc, base, connection_invalidated=lost,
+        raise sa.exc.DBAPIError.instance(sql, args, exc, base, connection_invalidated=lost,
                                           dialect=conn.dialect) from exc
     except BaseException:
         conn.invalidate()  # interrupted mid-statement: the connection's state is unknown

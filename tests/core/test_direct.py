@@ -61,11 +61,15 @@ def test_a_drain_runs_its_claim_and_finalize_on_the_cursor(engine: sa.Engine, mo
     # Every engine: the claim's lock (or its read of the stored policy) and its in-flight count.
     assert any(s is jobq._q_lock_claim(d, p) or s is jobq._q_claim_lock_value(p) for s in seen for p in (False, True))
     assert jobq._Q_SLOTS_IN_USE in seen
-    if engine.dialect.name in ("postgresql", "sqlite"):  # ids and types bound as one array: the rest too
-        finish = jobq._q_finish_recorded(d) if d.dml_ctes else jobq._q_finish_batch_same(d)
-        assert finish in seen
-        for name, lock in (("chosen", lambda: jobq._q_lock_chosen(d)), ("candidates:True", lambda: jobq._q_candidates(d, True))):
-            assert (jobq._q_lock_and_lease(d, name, lock) if d.dml_ctes else lock()) in seen, name
+    finish = jobq._q_finish_recorded(d) if d.dml_ctes else jobq._q_finish_batch_same(d)
+    assert finish in seen
+    for name, lock in (("chosen", lambda: jobq._q_lock_chosen(d)), ("candidates:True", lambda: jobq._q_candidates(d, True))):
+        assert (jobq._q_lock_and_lease(d, name, lock) if d.dml_ctes else lock()) in seen, name
+    if not d.dml_ctes:
+        assert jobq._q_lease(d) in seen
+    if d.index_hints:  # the cursor runs the statement as compiled: with its lock-scope hint
+        updates = [jobq._direct_form(engine.dialect, s).sql for s in seen if isinstance(s, sa.Update)]
+        assert updates and all("UPDATE jobs FORCE INDEX (PRIMARY)" in u for u in updates), updates
 
 
 def test_a_drain_without_the_cursor_path_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
