@@ -862,9 +862,9 @@ def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
 
 
 def _types_in(d: _Dialect) -> sa.ColumnElement[bool]:
-    """``type IN b_types`` as one bound value where the engine takes one (an array on
-    PostgreSQL, a JSON array on SQLite), so the statement has no expanding list and runs on
-    the cursor (_Direct); an expanding list elsewhere."""
+    """``type IN b_types`` for the claim's reads: one bound value where the engine takes one
+    (an array on PostgreSQL, a JSON array on SQLite), so the SQL text is the same for any
+    types and needs no rendering per call; an expanding list elsewhere."""
     if d.array_params:
         return _c.type == sa.any_(sa.bindparam("b_types", type_=_pg.ARRAY(sa.String(200))))
     if d.json_id_lists:
@@ -892,7 +892,7 @@ def _q_window_candidates(d: _Dialect, n: int, typed: bool) -> sa.Select[Any] | s
                 _state_is("ready"), _c.group_key == sa.bindparam(f"b_g{i}", type_=_NAME),
                 _c.run_after <= sa.bindparam("b_now", type_=_TS))
             if typed:
-                inner = inner.where(_c.type.in_(sa.bindparam("b_types", expanding=True)))
+                inner = inner.where(_types_in(d))
             inner = inner.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer))
             if d.compound_limits:
                 parts.append(inner.with_hint(_jobs, d.ready_index_hint) if d.ready_index_hint else inner)
@@ -913,7 +913,7 @@ def _q_window_lateral(d: _Dialect, typed: bool) -> sa.Select[Any]:
         inner = sa.select(_c.group_key, _c.id, _c.weight).where(
             _state_is("ready"), _c.group_key == g.c.k, _c.run_after <= sa.bindparam("b_now", type_=_TS))
         if typed:
-            inner = inner.where(_c.type == sa.any_(sa.bindparam("b_types", type_=_pg.ARRAY(sa.String(200)))))
+            inner = inner.where(_types_in(d))
         w = inner.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)).lateral("w")
         return sa.select(w.c.group_key, w.c.id, w.c.weight).select_from(g).join(w, sa.true())
 
@@ -965,7 +965,7 @@ def _q_window_json(d: _Dialect, typed: bool) -> sa.Select[Any]:
         inner = sa.select(_c.id).where(_state_is("ready"), _c.group_key == g.c.value,
                                        _c.run_after <= sa.bindparam("b_now", type_=_TS))
         if typed:
-            inner = inner.where(_id_in(d, _c.type, sa.bindparam("b_types")))
+            inner = inner.where(_types_in(d))
         inner = inner.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer))
         j = _jobs.alias("j")
         return (sa.select(j.c.group_key, j.c.id, j.c.weight).select_from(g)
@@ -2629,11 +2629,11 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
     forms = _DIRECT.get(dialect)
     if forms is None:
         forms = _DIRECT[dialect] = {}
+    # A form holds its statement, so its id is not reused; at worst a reused id finds None and
+    # its statement runs through Connection.execute.
     key = id(stmt)
     if key in forms:
-        got = forms[key]
-        if got is None or got.stmt is stmt:
-            return got
+        return forms[key]
     if len(forms) >= _DIRECT_FORMS:
         return None  # a statement built per call would grow the cache without bound
     form: _Direct | None = None
@@ -2703,10 +2703,12 @@ def _hot_rows(conn: Connection, stmt: Any, params: Mapping[str, Any]) -> list[An
     return _on_cursor(conn, form, params, True)  # type: ignore[no-any-return]
 
 
-def _hot_rowcount(conn: Connection, stmt: Any, params: Mapping[str, Any]) -> int:
-    """``conn.execute(stmt, params).rowcount``, on the DBAPI cursor where it can (_hot_rows)."""
-    form = _direct_form(conn.dialect, stmt) if _direct(conn) else None
-    if form is None:
+def _hot_rowcount(conn: Connection, stmt: Any, params: Mapping[str, Any] | None) -> int:
+    """``conn.execute(stmt, params).rowcount``, on the DBAPI cursor where it can (_hot_rows).
+    Without ``params`` the statement was built for this call, its values in it: it runs
+    through Connection.execute and is not cached."""
+    form = None if params is None or not _direct(conn) else _direct_form(conn.dialect, stmt)
+    if form is None or params is None:
         return int(conn.execute(stmt, params).rowcount)
     return int(_on_cursor(conn, form, params, False))
 
@@ -4422,7 +4424,8 @@ def _lease_rows(
         # No limits of its own: the claim locks only if stored policy limits some group. (A
         # claim that read "none" just before set_group stored the first limit still runs
         # unlocked: set_group's change counts from the claims that start after it.)
-        stored = _policy_counts(next((r[0] for r in _hot_rows(conn, _q_claim_lock_value(pin), {})), None))
+        value = _hot_rows(conn, _q_claim_lock_value(pin), {})
+        stored = _policy_counts(value[0][0] if value else None)
         if stored[1]:
             stored = _lock_claim(conn, d)
     if pin:
@@ -4691,7 +4694,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
                     n += next(k for j, k in got if j is None)
                     recorded, counted = True, {j: k for j, k in got if j is not None}
                 else:
-                    n += _hot_rowcount(conn, stmt, params) if params is not None else conn.execute(stmt).rowcount
+                    n += _hot_rowcount(conn, stmt, params)
         ids = [o.job_id for o in fast]
         if n == len(fast):
             landed = {(o.job_id, o.token) for o in fast}
@@ -4733,11 +4736,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         if n and state in TERMINAL:
             terminal.append((o.job_id, state))
     for rec in _chunks(ended):
-        record, values = _q_record_attempts(d, rec, now)
-        if values is not None:
-            _hot_rowcount(conn, record, values)
-        else:
-            conn.execute(record)
+        _hot_rowcount(conn, *_q_record_attempts(d, rec, now))
     spawners = [(o, st) for o, st in zip(outcomes, written, strict=True) if o.spawned]
     if spawners:  # before the rollups: a container no longer counts discarded spawns
         _discard_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st != "done"})

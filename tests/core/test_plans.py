@@ -5,7 +5,6 @@ tick with 200k done rows, found by the benchmark); PostgreSQL needs the 'ready' 
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 import pytest
@@ -165,13 +164,7 @@ def test_stats_reads_only_indexes(engine: sa.Engine) -> None:
 
 def _lock_chosen_plan(engine: sa.Engine, stmt: sa.Select, ids: list[int]) -> str:
     if engine.dialect.name == "sqlite":
-        # Bound, not literal: there the ids are one JSON array parameter (json_id_lists), which
-        # has no literal form.
-        compiled = stmt.compile(engine)
-        values = compiled.construct_params({"b_ids": json.dumps(ids), "b_now": NOW.isoformat(" ")})
-        params = tuple(values[name] for name in compiled.positiontup or ())
-        with engine.connect() as conn:
-            return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", params))
+        return _plans(engine, stmt.params(b_ids=ids, b_now=NOW))
     sql = str(stmt.params(b_ids=ids, b_now=NOW).compile(engine, compile_kwargs={"literal_binds": True,
                                                                               "render_postcompile": True}))
     with engine.connect() as conn:
@@ -248,14 +241,9 @@ def test_the_json_window_read_walks_the_ready_index_per_group(engine: sa.Engine)
         return  # SQLite before 3.38 reads the window as a UNION of derived tables (HOT above)
     jobq.submit(engine, [{"key": str(i), "type": "t", "group_key": f"g{i % 100}"} for i in range(2000)])
 
-    def plan(stmt: sa.Executable) -> str:
-        compiled = stmt.compile(engine)
-        values = compiled.construct_params({"b_groups": json.dumps(["g1", "g2"]), "b_types": json.dumps(["t"]),
-                                            "b_now": NOW.isoformat(" "), "b_limit": 10, "b_after": "g",
-                                            "b_window": 64})
-        params = tuple(values[name] for name in compiled.positiontup or ())
-        with engine.connect() as conn:
-            return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", params))
+    def plan(stmt: sa.Select[Any] | sa.TextualSelect) -> str:
+        return _plans(engine, stmt.params(b_groups=["g1", "g2"], b_types=["t"], b_now=NOW, b_limit=10, b_after="g",
+                                          b_window=64))
 
     good = plan(_window_json(d, True))
     _check("window candidates (json)", good)
