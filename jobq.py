@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import queue
 import random
 import signal
 import socket
@@ -6154,13 +6153,14 @@ class _WorkerCore:
                 self._running[run.key] = run
             self._busy += len(runs)
         claimed, started = self._events_wanted(logging.DEBUG), self._events_wanted(logging.INFO)
-        for run in runs:
-            lease = run.lease
-            if claimed:
-                _emit(self.on_event, Event("claimed", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
-            if started:
-                _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
-            self._start(run)
+        if claimed or started:
+            for run in runs:
+                lease = run.lease
+                if claimed:
+                    _emit(self.on_event, Event("claimed", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+                if started:
+                    _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+        self._start_all(runs)
 
     def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
         self._store_checkpoint(ctx, state)
@@ -6181,6 +6181,10 @@ class _WorkerCore:
 
     def _start(self, run: _Running) -> None:
         raise NotImplementedError
+
+    def _start_all(self, runs: Sequence[_Running]) -> None:
+        for run in runs:
+            self._start(run)
 
     def _stop_handlers(self, runs: Sequence[_Running]) -> None:
         """After ``runs`` were released and fenced: stop what can be stopped."""
@@ -6213,7 +6217,13 @@ class _WorkerCore:
             run.returned = True
             self._finished.append((run, kind, payload))
             self._handler_idle()
-        self._poke()
+            # The loop acts on the first outcome queued (it writes it, or starts gathering
+            # others for up to finalize_delay) and on the last busy handler returning (the
+            # gather ends); one wake-up per outcome would only hand the GIL to a loop that
+            # goes back to waiting.
+            wake = len(self._finished) == 1 or self._busy == 0
+        if wake:
+            self._poke()
 
     def _handler_idle(self) -> None:
         """Under the lock, as a handler returns (Worker: its thread is idle in the same step)."""
@@ -6629,8 +6639,9 @@ class Worker(_WorkerCore):
 
         self._mp = multiprocessing.get_context(start_method) if executor == "process" else None
         _prepare(engine)  # fail fast on an unsupported database
-        self._runs: queue.SimpleQueue[_Running] = queue.SimpleQueue()  # dispatches for the handler threads
-        self._idle_threads = 0  # handler threads waiting on _runs
+        self._queue: deque[_Running] = deque()  # dispatches for the handler threads (under _lock)
+        self._parked: list[Any] = []  # parked handler threads' locks: releasing one wakes its thread
+        self._takers = 0  # handler threads on their way to look at _queue (see _start_all)
 
     def run(self) -> None:
         """Tick until :meth:`stop` or SIGTERM/SIGINT, then stop gracefully: stop claiming, let
@@ -6693,36 +6704,69 @@ class Worker(_WorkerCore):
         return restore
 
     def _start(self, run: _Running) -> None:
-        # Handler threads are reused: an idle one takes the run, else a new one starts. The
-        # pool never holds more threads than have been busy at once (at most the cap plus
-        # abandoned handlers); idle threads exit after _IDLE_THREAD_SECONDS.
+        self._start_all((run,))
+
+    def _start_all(self, runs: Sequence[_Running]) -> None:
+        # A claim's dispatches go on one queue with one wake-up, not one per dispatch. Handler
+        # threads take them in turn, and a thread that takes one while more wait first makes
+        # sure another thread is on its way (a parked one woken, or a new one started), so no
+        # dispatch waits behind a running handler. Short handlers are then run back to back by
+        # the threads already awake: a claim of 64 no-ops wakes a few threads, not 64 (each
+        # wake-up a futex call and a hand-over of the GIL that the tick's loop waits for).
         with self._lock:
-            reuse = self._idle_threads > 0
-            if reuse:
-                self._idle_threads -= 1
-        self._runs.put(run)
-        if not reuse:
-            threading.Thread(target=self._handler_thread, name="jobq-handler", daemon=True).start()
+            self._queue.extend(runs)
+            spawn = not self._takers and self._add_taker()
+        if spawn:
+            self._new_thread()
+
+    def _add_taker(self) -> bool:
+        """Under the lock: get one more thread on its way to the queue by waking a parked one;
+        True if none is parked, and the caller must start one (after releasing the lock)."""
+        self._takers += 1
+        if self._parked:
+            self._parked.pop().release()
+            return False
+        return True
+
+    def _new_thread(self) -> None:
+        threading.Thread(target=self._handler_thread, name="jobq-handler", daemon=True).start()
 
     def _handler_idle(self) -> None:
-        # One step with the slot freed: the tick this wakes can hand its next dispatch to this
-        # thread instead of starting another one.
-        self._idle_threads += 1
+        # As its handler returns (under the lock): this thread looks at the queue next, so a
+        # claim that lands meanwhile need not wake or start another one.
+        self._takers += 1
 
     def _handler_thread(self) -> None:
+        # Runs dispatches from the queue; parks when it is empty, and exits after
+        # _IDLE_THREAD_SECONDS parked. It counts in _takers whenever it is on its way to the
+        # queue: started, woken, or back from a handler.
         target = self._execute_in_process if self.executor == "process" else self._execute
+        park = threading.Lock()
+        park.acquire()
         while True:
-            try:
-                run = self._runs.get(timeout=_IDLE_THREAD_SECONDS)
-            except queue.Empty:
+            spawn = False
+            with self._lock:
+                self._takers -= 1
+                run: _Running | None = None
+                if self._queue:
+                    run = self._queue.popleft()
+                    spawn = bool(self._queue) and not self._takers and self._add_taker()
+                else:
+                    self._parked.append(park)
+            if spawn:
+                self._new_thread()
+            if run is None:
+                if park.acquire(timeout=_IDLE_THREAD_SECONDS):
+                    continue  # woken: the waker counted this thread a taker
                 with self._lock:
-                    if self._idle_threads > 0 and self._runs.empty():
-                        self._idle_threads -= 1
+                    if park in self._parked:
+                        self._parked.remove(park)
                         return
-                continue  # a run was handed to this idle thread just now: take it
+                park.acquire()  # a waker took it off the list just now: its release is due
+                continue
             run.thread = threading.current_thread()
             kind, payload = target(run)
-            self._finish(run, kind, payload)  # counts this thread idle in the same step
+            self._finish(run, kind, payload)  # counts this thread a taker again, in the same step
 
     def _execute(self, run: _Running) -> tuple[str, Any]:
         try:
