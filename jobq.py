@@ -5831,7 +5831,8 @@ class WorkerOptions:
     """A worker's options, validated once: ``Worker(engine, handlers, **options)`` builds one,
     and ``worker.options`` is it. Each field means what :class:`Worker`'s argument of the same
     name means; after validation ``heartbeat_interval``, ``worker_id`` and ``retry_backoff``
-    hold their resolved values, ``group_caps``/``rate_limits`` are plain dicts.
+    hold their resolved values (``local_concurrency`` defaults to ``max_concurrency``),
+    ``group_caps``/``rate_limits`` are plain dicts.
 
     Raises:
         ConfigError: an option is invalid (e.g. a heartbeat too close to the lease TTL, or a
@@ -5854,10 +5855,19 @@ class WorkerOptions:
     listen: bool = False
     on_event: Callable[[Event], None] | None = None
     finalize_delay: float = 0.005
+    local_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         fix = functools.partial(object.__setattr__, self)
         fix("max_concurrency", _check_int(self.max_concurrency, "max_concurrency", 1, 100_000, ConfigError))
+        local = self.max_concurrency if self.local_concurrency is None else _check_int(
+            self.local_concurrency, "local_concurrency", 1, 100_000, ConfigError)
+        if local > self.max_concurrency:
+            raise ConfigError(
+                f"local_concurrency={local} is above max_concurrency={self.max_concurrency}: the global cap "
+                "would never let this worker fill its slots; raise max_concurrency or lower local_concurrency"
+            )
+        fix("local_concurrency", local)
         ttl = _check_seconds(self.lease_ttl, "lease_ttl", ConfigError, optional=False)
         assert ttl is not None
         hb = ttl / 3 if self.heartbeat_interval is None else _check_seconds(
@@ -5917,6 +5927,7 @@ class _WorkerCore:
         self._types = sorted(self.handlers)
         # The resolved options, as attributes (as before WorkerOptions existed).
         self.max_concurrency: int = o.max_concurrency
+        self.local_concurrency: int = o.local_concurrency  # type: ignore[assignment]  # resolved
         self.lease_ttl: float = o.lease_ttl
         self.heartbeat_interval: float = o.heartbeat_interval  # type: ignore[assignment]  # resolved
         self.poll_interval: float = o.poll_interval
@@ -6031,7 +6042,7 @@ class _WorkerCore:
             leftover = bool(self._finished)
         self._enforce_timeouts()
         with self._lock:
-            local_free = self.max_concurrency - self._busy
+            local_free = self.local_concurrency - self._busy
         claiming = local_free > 0 and not self._stopping.is_set()
         # Full or stopping: claim nothing, but keep sweeping expired leases of crashed workers.
         began = time.monotonic()
@@ -6571,7 +6582,8 @@ class Worker(_WorkerCore):
         handlers: job type -> callable ``handler(ctx) -> dict | None``. Only these types are
             claimed; workers with different handler maps may share one database.
         max_concurrency: the global cap: most jobs in flight across every worker on this
-            database (enforced in the claim transaction). Also this worker's own limit.
+            database (enforced in the claim transaction). Also this worker's own limit, unless
+            ``local_concurrency`` sets a lower one.
         lease_ttl: seconds a lease lasts without a heartbeat.
         heartbeat_interval: seconds between heartbeats (default ``lease_ttl / 3``); must be at
             most half of ``lease_ttl``.
@@ -6599,6 +6611,10 @@ class Worker(_WorkerCore):
         finalize_delay: once a handler has finished, seconds to wait for other busy handlers
             to finish too, so their results are written in one transaction (group commit).
             Only short jobs that finish together are delayed, by at most this much.
+        local_concurrency: most handlers this worker runs at once (default ``max_concurrency``).
+            Set it when several workers share one global cap: with only ``max_concurrency``,
+            one worker may take the whole cap and leave the others idle. At most
+            ``max_concurrency``.
 
     The options are validated once into :class:`WorkerOptions` (``worker.options``).
 
@@ -6626,6 +6642,7 @@ class Worker(_WorkerCore):
         listen: bool = False,
         on_event: Callable[[Event], None] | None = None,
         finalize_delay: float = 0.005,
+        local_concurrency: int | None = None,
     ) -> None:
         _check_worker_target(engine, handlers)
         options = WorkerOptions(
@@ -6633,6 +6650,7 @@ class Worker(_WorkerCore):
             poll_interval=poll_interval, worker_id=worker_id, timeout=timeout, group_caps=group_caps,
             rate_limits=rate_limits, retry_backoff=retry_backoff, shutdown_timeout=shutdown_timeout, executor=executor,
             start_method=start_method, listen=listen, on_event=on_event, finalize_delay=finalize_delay,
+            local_concurrency=local_concurrency,
         )
         super().__init__(engine, handlers, options)
         import multiprocessing
@@ -7623,6 +7641,8 @@ def _parser() -> argparse.ArgumentParser:
                        parents=[common])
     p.add_argument("--app", required=True, metavar="MODULE:NAME", help="package.module:handlers (your own mapping)")
     p.add_argument("--concurrency", type=_count, default=4, help="the global cap: most jobs in flight across all workers")
+    p.add_argument("--local-concurrency", type=_count, metavar="N",
+                   help="most jobs this worker runs at once (default: --concurrency)")
     p.add_argument("--lease-ttl", type=_interval, default=30.0, metavar="SECONDS")
     p.add_argument("--heartbeat", type=_interval, metavar="SECONDS", help="default: lease TTL / 3")
     p.add_argument("--poll", type=_interval, default=1.0, metavar="SECONDS", help="seconds between ticks when idle")
@@ -7858,7 +7878,8 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         handler.setFormatter(_ScrubbingFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", secrets))
         logging.basicConfig(level=getattr(logging, ns.log_level.upper()), handlers=[handler])
         options: dict[str, Any] = {"start_method": ns.start_method} if ns.start_method else {}
-        w = Worker(engine, _load_handlers(ns.app), max_concurrency=ns.concurrency, lease_ttl=ns.lease_ttl,
+        w = Worker(engine, _load_handlers(ns.app), max_concurrency=ns.concurrency,
+                   local_concurrency=ns.local_concurrency, lease_ttl=ns.lease_ttl,
                    heartbeat_interval=ns.heartbeat, poll_interval=ns.poll, listen=ns.listen, timeout=ns.timeout,
                    shutdown_timeout=ns.shutdown_timeout, group_caps=dict(ns.cap), rate_limits=dict(ns.rate),
                    executor=ns.executor, worker_id=ns.worker_id, **options)

@@ -78,9 +78,10 @@ def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _worker_proc(url: str, conc: int, ready: mp.Event, go: mp.Event, out: mp.Queue) -> None:
+def _worker_proc(url: str, conc: int, cap: int, ready: mp.Event, go: mp.Event, out: mp.Queue) -> None:
     eng = sa.create_engine(url)
-    w = jobq.Worker(eng, {"noop": _noop}, max_concurrency=conc, poll_interval=0.05, lease_ttl=60)
+    w = jobq.Worker(eng, {"noop": _noop}, max_concurrency=cap, local_concurrency=conc, poll_interval=0.05,
+                    lease_ttl=60)
     ready.set()
     go.wait()
     w.run_until_idle()
@@ -92,10 +93,13 @@ def jobq_drain(url: str, n_procs: int, conc: int) -> tuple[float, int, float]:
     ctx = mp.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     readies = [ctx.Event() for _ in range(n_procs)]
-    # `conc` slots per worker process: the global cap grows with the processes, as a deployment
-    # that adds a worker process to add capacity would set it (a shared cap of 64 would halve
-    # every claim batch of two processes).
-    procs = [ctx.Process(target=_worker_proc, args=(url, conc * n_procs, readies[i], go, out)) for i in range(n_procs)]
+    # `conc` slots per worker process (local_concurrency) under a global cap that grows with the
+    # processes, as a deployment that adds a worker process to add capacity would set it. (A cap
+    # of conc * n_procs as each worker's own limit too let the first worker take the whole cap
+    # and the others poll against it: the 2-process figures before 2026-12-03 were in effect
+    # one process with twice the slots.)
+    procs = [ctx.Process(target=_worker_proc, args=(url, conc, conc * n_procs, readies[i], go, out))
+             for i in range(n_procs)]
     for p in procs:
         p.start()
     for r in readies:

@@ -2,9 +2,9 @@
 
 A capped claim serialises on one row (``jobq_meta``'s claim_lock, or SQLite's write lock): from
 the statement that locks it to the end of the commit, no other claim can count and lease. This
-drains ``--jobs`` no-op jobs with 1, 4 and 8 worker processes (``Worker(max_concurrency=64 per
-process)``, as bench.py's drain) and reports, per claim, how long the lock was held (median and
-95th percentile) and the lock's utilisation: the summed hold time of all processes over the
+drains ``--jobs`` no-op jobs with 1, 4 and 8 worker processes (as bench.py's drain: 64 slots
+per process, ``local_concurrency=64``, under a cap of 64 per process) and reports, per claim, how
+long the lock was held (median and 95th percentile) and the lock's utilisation: the summed hold time of all processes over the
 drain's wall time. Near 100% the claim lock, not the workers, sets the throughput.
 
 The hold is measured in each worker process with SQLAlchemy events: from the return of the
@@ -58,10 +58,11 @@ def _holds(eng: sa.Engine) -> list[float]:
     return holds
 
 
-def _worker(url: str, conc: int, ready: Any, go: Any, out: Any) -> None:
+def _worker(url: str, conc: int, cap: int, ready: Any, go: Any, out: Any) -> None:
     eng = sa.create_engine(url)
     holds = _holds(eng)
-    w = B.jobq.Worker(eng, {"noop": B._noop}, max_concurrency=conc, poll_interval=0.05, lease_ttl=60)
+    w = B.jobq.Worker(eng, {"noop": B._noop}, max_concurrency=cap, local_concurrency=conc, poll_interval=0.05,
+                      lease_ttl=60)
     ready.set()
     go.wait()
     w.run_until_idle()
@@ -74,7 +75,8 @@ def drain(url: str, n_jobs: int, n_procs: int, conc: int = 64) -> tuple[float, l
     ctx = mp.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     readies = [ctx.Event() for _ in range(n_procs)]
-    procs = [ctx.Process(target=_worker, args=(url, conc * n_procs, readies[i], go, out)) for i in range(n_procs)]
+    procs = [ctx.Process(target=_worker, args=(url, conc, conc * n_procs, readies[i], go, out))
+             for i in range(n_procs)]
     for p in procs:
         p.start()
     for r in readies:

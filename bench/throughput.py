@@ -12,7 +12,8 @@ Contenders, per engine:
   (`FOR UPDATE SKIP LOCKED`, SQLite's `BEGIN IMMEDIATE`), mark them leased under one token and
   commit; run the no-op; finalize all 50 in one fenced `UPDATE` and commit. No cap, no groups, no
   DAG bookkeeping, no heartbeats, no dispatch to threads.
-* `jobq`: `Worker(max_concurrency=64 per process).run_until_idle()`, defaults otherwise.
+* `jobq`: `Worker(local_concurrency=64, max_concurrency=64 x processes).run_until_idle()`: 64
+  slots per process under a global cap of 64 per process, defaults otherwise.
 * PostgreSQL, `jobq-250`: the same with 250 slots per process, the most jobs PGQueuer tuned holds
   in flight per process (5 queue managers x batch 50): the two at the same capacity.
 * PostgreSQL, pipelined ceilings: the ceiling's work in jobq's tick shape (one transaction
@@ -288,9 +289,10 @@ def _setup_ceiling(url: str, n_procs: int) -> Callable[[], None]:
 
 
 def _setup_jobq(url: str, n_procs: int, conc: int = 64) -> Callable[[], None]:
-    # `conc` slots per process: the global cap grows with the processes (see bench.jobq_drain).
+    # `conc` slots per process under a global cap that grows with the processes (bench.jobq_drain).
     eng = sa.create_engine(url)
-    w = B.jobq.Worker(eng, {"noop": B._noop}, max_concurrency=conc * n_procs, poll_interval=0.05, lease_ttl=60)
+    w = B.jobq.Worker(eng, {"noop": B._noop}, max_concurrency=conc * n_procs, local_concurrency=conc,
+                      poll_interval=0.05, lease_ttl=60)
     return w.run_until_idle
 
 

@@ -156,6 +156,8 @@ BAD_INPUT = [
     ["worker", "--app", "goodapp:handlers", "--rate", "g=5"],
     ["worker", "--app", "goodapp:handlers", "--rate", "g=5/0"],
     ["worker", "--app", "goodapp:handlers", "--concurrency", "0"],
+    ["worker", "--app", "goodapp:handlers", "--local-concurrency", "0"],
+    ["worker", "--app", "goodapp:handlers", "--concurrency", "2", "--local-concurrency", "3"],
     ["worker", "--app", "goodapp:handlers", "--lease-ttl", "3", "--heartbeat", "2"],
     ["status", "--watch", "-1"],
     ["status", "--watch", "0"],
@@ -515,14 +517,15 @@ def test_worker_flags_map_onto_worker_options(db_url: str, apps: pathlib.Path, m
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(jobq, "Worker", _Recorded)
     _Recorded.made.clear()
-    code, _, err = cli(db_url, "worker", "--app", "goodapp:handlers", "--concurrency", "7", "--lease-ttl", "12",
+    code, _, err = cli(db_url, "worker", "--app", "goodapp:handlers", "--concurrency", "7", "--local-concurrency", "4",
+                       "--lease-ttl", "12",
                        "--heartbeat", "3", "--poll", "0.25", "--timeout", "5m", "--shutdown-timeout", "9",
                        "--cap", "a=2", "--cap", "b=1", "--rate", "a=10/1m", "--rate", "*=100/1", "--worker-id", "cli-w1",
                        "--log-level", "warning", capsys=capsys)
     assert code == 0, err
     (w,) = _Recorded.made
-    assert (w.max_concurrency, w.lease_ttl, w.heartbeat_interval, w.poll_interval, w.timeout, w.shutdown_timeout) == (
-        7, 12.0, 3.0, 0.25, 300.0, 9.0)
+    assert (w.max_concurrency, w.local_concurrency, w.lease_ttl, w.heartbeat_interval, w.poll_interval, w.timeout,
+            w.shutdown_timeout) == (7, 4, 12.0, 3.0, 0.25, 300.0, 9.0)
     assert w.group_caps == {"a": 2, "b": 1} and w.rate_limits == {"a": (10, 60.0), "*": (100, 1.0)}
     assert (w.worker_id, w.listen, w.executor, sorted(w.handlers)) == ("cli-w1", False, "thread", ["hello"])
     code, _, err = cli(db_url, "worker", "--app", "goodapp:handlers", "--listen", capsys=capsys)
