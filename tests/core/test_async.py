@@ -184,3 +184,31 @@ def test_async_worker_refuses_what_it_cannot_do(engine: sa.Engine, db_url: str) 
         jobq.AsyncWorker(eng, {"t": sync_handler}, max_concurrency=1)
     with pytest.raises(jobq.ConfigError, match="executor"):
         jobq.AsyncWorker(eng, {"t": ok}, max_concurrency=1, executor="process")
+
+
+def test_async_worker_runs_at_most_its_local_concurrency(db_url: str, engine: sa.Engine) -> None:
+    """``local_concurrency`` bounds an AsyncWorker's tasks under a larger cap: 4 jobs, a cap of
+    5, 2 local slots; the first tick leases 2 and no more than 2 tasks ever run at once (with
+    the cap as its limit, as before the option, the tick leased all 4)."""
+    ids = [jobq.enqueue(engine, "hold") for _ in range(4)]
+    live = peak = 0
+
+    async def scenario(eng: AsyncEngine) -> tuple[int, bool]:
+        gate = asyncio.Event()
+
+        async def hold(ctx: jobq.JobContext) -> None:
+            nonlocal live, peak
+            live += 1
+            peak = max(peak, live)
+            await gate.wait()
+            live -= 1
+
+        w = jobq.AsyncWorker(eng, {"hold": hold}, max_concurrency=5, local_concurrency=2, poll_interval=0.05)
+        assert (w.max_concurrency, w.local_concurrency) == (5, 2)
+        first = await w.tick()
+        gate.set()
+        return first, await w.run_until_idle(timeout=60)
+
+    assert _run(scenario, db_url) == (2, True)
+    assert peak <= 2
+    assert [state(engine, i) for i in ids] == ["done"] * 4
