@@ -6034,6 +6034,7 @@ class _WorkerCore:
     # -- the tick --------------------------------------------------------------------------
 
     def _tick(self) -> int:
+        self._revive_takers()
         self._write_suspects()
         batch = self._take_finished()
         with self._lock:
@@ -6238,6 +6239,10 @@ class _WorkerCore:
 
     def _handler_idle(self) -> None:
         """Under the lock, as a handler returns (Worker: its thread is idle in the same step)."""
+
+    def _revive_takers(self) -> None:
+        """At each tick: get dispatches moving that wait with nobody on the way to them (Worker:
+        after a handler thread could not be started)."""
 
     # -- writing outcomes ------------------------------------------------------------------
 
@@ -6660,6 +6665,7 @@ class Worker(_WorkerCore):
         self._queue: deque[_Running] = deque()  # dispatches for the handler threads (under _lock)
         self._parked: list[Any] = []  # parked handler threads' locks: releasing one wakes its thread
         self._takers = 0  # handler threads on their way to look at _queue (see _start_all)
+        self._refused = False  # a handler thread could not be started (see _revive_takers)
 
     def run(self) -> None:
         """Tick until :meth:`stop` or SIGTERM/SIGINT, then stop gracefully: stop claiming, let
@@ -6747,7 +6753,36 @@ class Worker(_WorkerCore):
         return True
 
     def _new_thread(self) -> None:
-        threading.Thread(target=self._handler_thread, name="jobq-handler", daemon=True).start()
+        try:
+            threading.Thread(target=self._handler_thread, name="jobq-handler", daemon=True).start()
+        except BaseException:
+            # The OS refused a thread ("can't start new thread": a pids limit, memory): nobody
+            # is on the way to the queue after all. Uncounted, the next claim or the loop's next
+            # tick (_revive_takers) tries again; counted, every later dispatch waited forever
+            # behind a thread that never existed, heartbeated and never run.
+            with self._lock:
+                self._takers -= 1
+                self._refused = True
+            raise
+
+    def _try_new_thread(self) -> bool:
+        """From a handler thread that took a dispatch while more wait: start another thread, or
+        (refused) return False and let this one take the rest after its handler. Raising here
+        would end this thread with its dispatch taken and never run, heartbeated forever."""
+        try:
+            self._new_thread()
+            return True
+        except Exception:  # noqa: BLE001 - refused, and uncounted by _new_thread
+            return False
+
+    def _revive_takers(self) -> None:
+        if not self._refused:
+            return  # only a refusal leaves dispatches with nobody on the way (tests/core/test_handoff.py)
+        with self._lock:
+            self._refused = False
+            spawn = bool(self._queue) and not self._takers and self._add_taker()
+        if spawn:
+            self._new_thread()  # refused again: raises out of the tick, as the claim's own start did
 
     def _handler_idle(self) -> None:
         # As its handler returns (under the lock): this thread looks at the queue next, so a
@@ -6772,7 +6807,7 @@ class Worker(_WorkerCore):
                 else:
                     self._parked.append(park)
             if spawn:
-                self._new_thread()
+                self._try_new_thread()
             if run is None:
                 if park.acquire(timeout=_IDLE_THREAD_SECONDS):
                     continue  # woken: the waker counted this thread a taker

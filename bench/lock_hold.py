@@ -4,8 +4,8 @@ A capped claim serialises on one row (``jobq_meta``'s claim_lock, or SQLite's wr
 the statement that locks it to the end of the commit, no other claim can count and lease. This
 drains ``--jobs`` no-op jobs with 1, 4 and 8 worker processes (as bench.py's drain: 64 slots
 per process, ``local_concurrency=64``, under a cap of 64 per process) and reports, per claim, how
-long the lock was held (median and 95th percentile) and the lock's utilisation: the summed hold time of all processes over the
-drain's wall time. Near 100% the claim lock, not the workers, sets the throughput.
+long the lock was held (median and 95th percentile) and the lock's utilisation: the summed hold
+time of all processes over the drain's wall time. Near 100% the claim lock, not the workers, sets the throughput.
 
 The hold is measured in each worker process with SQLAlchemy events: from the return of the
 statement that locks the cap row (``after_cursor_execute``) to the connection's return to the

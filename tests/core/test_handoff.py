@@ -3,9 +3,9 @@
 A claim's dispatches go on one queue with one wake-up; threads take them in turn, and a thread
 that takes one while more wait first gets another thread on its way, so short handlers run back
 to back and no dispatch waits behind a running handler. The loop wakes for the first outcome
-queued and for the last busy handler returning, not for each outcome. Each property has a
-BROKEN variant next to it that the same check catches. The hand-off never touches the
-database, so one engine is enough.
+queued and for the last busy handler returning, not for each outcome. A handler thread the OS
+refuses to start strands no dispatch. Each property has a BROKEN variant next to it that the
+same check catches. The hand-off never touches the database, so one engine is enough.
 """
 
 from __future__ import annotations
@@ -121,3 +121,87 @@ def test_threads_are_reused_and_every_job_runs_once(engine: sa.Engine, executor:
 
 def _echo(ctx: jobq.JobContext) -> dict:
     return {"i": ctx.args["i"]}
+
+
+class _KeepsRefusedTaker(jobq.Worker):
+    """BROKEN: a refused thread start stays counted as a thread on its way to the queue."""
+
+    def _new_thread(self) -> None:
+        threading.Thread(target=self._handler_thread, name="jobq-handler", daemon=True).start()
+
+
+class _RaisesInHandlerThread(jobq.Worker):
+    """BROKEN: a handler thread whose request for another thread is refused raises, and ends
+    with the dispatch it took never run."""
+
+    def _try_new_thread(self) -> bool:
+        self._new_thread()
+        return True
+
+
+def _refuse_handler_threads(monkeypatch: pytest.MonkeyPatch, which: set[int]) -> None:
+    """Thread.start raises, as the OS refusing a thread does, for the handler threads numbered
+    in ``which`` (1 = the first handler thread asked for)."""
+    start = threading.Thread.start
+    asked = [0]
+
+    def refusing(self: threading.Thread) -> None:
+        if self.name == "jobq-handler":
+            asked[0] += 1
+            if asked[0] in which:
+                raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing)
+
+
+def _after_a_refused_claim_thread(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, worker: type[jobq.Worker],
+                                  wait: float) -> tuple[bool, list[tuple[str, int]]]:
+    """The first handler thread is refused: the worker's run raises it (as before). Run again,
+    the worker must run every job it holds, each once."""
+    ids = [jobq.enqueue(engine, "t") for _ in range(3)]
+    _refuse_handler_threads(monkeypatch, {1})
+    w = worker(engine, {"t": lambda ctx: None}, max_concurrency=4, **FAST)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        w.run_until_idle(timeout=60)
+    idle = w.run_until_idle(timeout=wait)
+    jobs = [jobq.get(engine, i) for i in ids]
+    return idle, [(j.state, j.attempts) for j in jobs if j is not None]
+
+
+@only("sqlite")
+def test_a_refused_thread_start_strands_no_dispatch(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _after_a_refused_claim_thread(engine, monkeypatch, jobq.Worker, wait=60) == (True, [("done", 1)] * 3)
+
+
+@only("sqlite")
+def test_broken_a_refused_thread_counted_as_on_its_way_is_caught(engine: sa.Engine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stranded: nothing ever takes the queued dispatches, so the worker is never idle (2 s is
+    # what this check gives it; the working worker above finishes in milliseconds).
+    idle, jobs = _after_a_refused_claim_thread(engine, monkeypatch, _KeepsRefusedTaker, wait=2)
+    assert not idle and ("done", 1) not in jobs
+
+
+def _after_a_refused_second_thread(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, worker: type[jobq.Worker],
+                                   wait: float) -> tuple[bool, list[str]]:
+    """A handler thread takes a dispatch while more wait, asks for another thread, and is
+    refused: the worker carries on, and that thread runs the rest after its handler."""
+    ids = [jobq.enqueue(engine, "t") for _ in range(4)]
+    _refuse_handler_threads(monkeypatch, {2})
+    w = worker(engine, {"t": lambda ctx: None}, max_concurrency=4, **FAST)
+    idle = w.run_until_idle(timeout=wait)
+    return idle, [jobq.get(engine, i).state for i in ids]  # type: ignore[union-attr]
+
+
+@only("sqlite")
+def test_a_handler_thread_refused_another_runs_the_rest(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _after_a_refused_second_thread(engine, monkeypatch, jobq.Worker, wait=60) == (True, ["done"] * 4)
+
+
+@only("sqlite")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the broken thread's end
+def test_broken_a_handler_thread_ended_by_a_refusal_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The thread that took job 1 ends before running it: job 1 is held, heartbeated, never run.
+    idle, states = _after_a_refused_second_thread(engine, monkeypatch, _RaisesInHandlerThread, wait=2)
+    assert not idle and "done" in states and states.count("done") < 4
