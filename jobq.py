@@ -6191,12 +6191,9 @@ class _WorkerCore:
 
     # -- the runner's part (Worker: threads or processes; AsyncWorker: tasks) -------------
 
-    def _start(self, run: _Running) -> None:
-        raise NotImplementedError
-
     def _start_all(self, runs: Sequence[_Running]) -> None:
-        for run in runs:
-            self._start(run)
+        """Start a claim's dispatches (Worker: on handler threads; AsyncWorker: as tasks)."""
+        raise NotImplementedError
 
     def _stop_handlers(self, runs: Sequence[_Running]) -> None:
         """After ``runs`` were released and fenced: stop what can be stopped."""
@@ -6727,9 +6724,6 @@ class Worker(_WorkerCore):
 
         return restore
 
-    def _start(self, run: _Running) -> None:
-        self._start_all((run,))
-
     def _start_all(self, runs: Sequence[_Running]) -> None:
         # A claim's dispatches go on one queue with one wake-up, not one per dispatch. Handler
         # threads take them in turn, and a thread that takes one while more wait first makes
@@ -7102,8 +7096,9 @@ class AsyncWorker(_WorkerCore):
             yield asyncio.wait(list(self._tasks.values()), timeout=5)
             yield self._persist
 
-    def _start(self, run: _Running) -> None:
-        self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
+    def _start_all(self, runs: Sequence[_Running]) -> None:
+        for run in runs:
+            self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
 
     def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
         return self._bridge(self._store_checkpoint, ctx, state)  # awaited by the handler
