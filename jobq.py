@@ -1975,6 +1975,11 @@ class _Dialect:
     #: built-in JSON functions): the same SQL text for any number of ids, compiled and
     #: prepared once, where an expanding IN list is rendered anew on every call.
     json_id_lists: bool = False
+    #: The driver interpolates parameters into the SQL text itself (PyMySQL, aiomysql: no
+    #: server-side binding), so a hot statement's expanding IN list of ints is rendered as the
+    #: literals the driver would send (_Direct.int_lists), byte for byte the same statement,
+    #: without SQLAlchemy's per-element expansion and the driver's per-element escaping.
+    literal_int_lists: bool = False
     #: Data-modifying statements inside WITH (PostgreSQL): a batch's finish, its history rows
     #: and its dependents count go to the server as one statement, one round trip.
     dml_ctes: bool = False
@@ -2233,7 +2238,7 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                         "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
                         live_key_column="unique_live", ranged_group_scan=True,
                         ready_index_hint="FORCE INDEX (ix_jobs_ready_my)", parent_fk=family == "mariadb",
-                        index_hints=True)
+                        index_hints=True, literal_int_lists=True)
     # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
     return _Dialect(family, version, partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
                     rowid_reuse=True, on_conflict=_sqlite.insert, compound_limits=False,
@@ -2583,7 +2588,7 @@ class _Direct:
     result processors, the dialect's paramstyle, and errors raised as SQLAlchemy's DBAPIError
     with the connection invalidated on a disconnect (_transaction's retry rules read both)."""
 
-    __slots__ = ("stmt", "sql", "compiled", "binds", "order", "expanding", "columns", "results")
+    __slots__ = ("stmt", "sql", "compiled", "binds", "order", "expanding", "int_lists", "columns", "results")
 
     def __init__(self, stmt: Any, compiled: Any, binds: dict[str, Callable[[Any], Any]], order: tuple[str, ...] | None):
         self.stmt = stmt  # kept alive: the cache is keyed on its id
@@ -2594,6 +2599,10 @@ class _Direct:
         # Expanding IN lists (MySQL/MariaDB's id lists): rendered per call for the list's
         # length, as Connection.execute renders them (SQLCompiler.construct_expanded_state).
         self.expanding = bool(compiled.post_compile_params)
+        # The expanding lists that may be rendered as integer literals (d.literal_int_lists):
+        # by name, with the placeholder SQLAlchemy leaves in the text for each. Set by
+        # _direct_form; empty: every list is expanded by SQLAlchemy.
+        self.int_lists: tuple[tuple[str, str], ...] = ()
         # The result columns' types (a text() without .columns() has none: its values come as
         # the driver gives them, as from Connection.execute), and per column its result
         # processor, resolved on the first execution from the cursor's type codes (as
@@ -2642,6 +2651,12 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
         binds = {name: proc for b, name in compiled.bind_names.items()
                  if (proc := b.type.dialect_impl(dialect).bind_processor(dialect)) is not None}
         form = _Direct(stmt, compiled, binds, tuple(compiled.positiontup) if compiled.positional else None)
+        lists = [b for b in compiled.post_compile_params if b.type.dialect_impl(dialect).bind_processor(dialect) is None]
+        if (lists and len(lists) == len(compiled.post_compile_params) and form.order is None
+                and _capabilities(_family(dialect), ()).literal_int_lists):
+            form.int_lists = tuple((b.key, f"__[POSTCOMPILE_{b.key}]") for b in lists)
+            if not all(mark in form.sql for _name, mark in form.int_lists):
+                form.int_lists = ()  # not the text this was written against: SQLAlchemy expands them
     forms[key] = form
     return form
 
@@ -2654,11 +2669,32 @@ def _direct(conn: Connection) -> bool:
                 or "schema_translate_map" in conn.get_execution_options())
 
 
+def _int_lists_sql(form: _Direct, params: Mapping[str, Any]) -> str | None:
+    """``form``'s SQL with its expanding lists written out as integer literals, exactly as the
+    driver would render them; None unless every list is non-empty and holds only ints (an
+    empty list, a bool or anything else goes through SQLAlchemy's expansion)."""
+    sql = form.sql
+    for name, mark in form.int_lists:
+        ids = params.get(name)
+        if not ids or not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+            return None
+        sql = sql.replace(mark, ", ".join(map(str, ids)))  # as SQLAlchemy joins the placeholders
+    return sql
+
+
 def _on_cursor(conn: Connection, form: _Direct, params: Mapping[str, Any], rows: bool) -> Any:
     """Run ``form`` with ``params`` on a cursor of ``conn``'s DBAPI connection, inside its
     transaction: the rows as tuples (``rows``), else the row count."""
     sql, order = form.sql, form.order
-    if form.expanding:
+    literal = form.int_lists and _int_lists_sql(form, params)
+    if literal:
+        sql = literal
+        values = form.compiled.construct_params(params)
+        for name, _mark in form.int_lists:
+            del values[name]
+        for name, proc in form.binds.items():
+            values[name] = proc(values[name])
+    elif form.expanding:
         state = form.compiled.construct_expanded_state(params)
         sql, values, order = state.statement, dict(state.parameters), state.positiontup
         for name, proc in state.processors.items():  # the lists' elements

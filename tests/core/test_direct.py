@@ -216,3 +216,66 @@ def test_values_left_unconverted_are_caught(engine: sa.Engine, monkeypatch: pyte
     monkeypatch.setattr(jobq._Direct, "rows", lambda self, cur: cur.fetchall())
     direct, executed = _both_ways(engine)
     assert direct != executed and isinstance(direct[0][1], str)
+
+
+# -- id lists written as literals (MySQL/MariaDB: d.literal_int_lists) ----------------------------
+
+def _ids_read(engine: sa.Engine) -> sa.Select[Any]:
+    d = jobq._prepare(engine)
+    return sa.select(jobs.c.id).where(jobq._id_in(d, jobs.c.id, sa.bindparam("b_ids"))).order_by(jobs.c.id)
+
+
+def _as_sent(engine: sa.Engine, stmt: Any, params: dict[str, Any]) -> tuple[str, str | None]:
+    """The statement as the driver sends it, through SQLAlchemy's expansion and through the
+    literal ids (None where the literal path declines the parameters)."""
+    with engine.connect() as conn:
+        form = jobq._direct_form(conn.dialect, stmt)
+        assert form is not None and form.int_lists, "an id list that is not written as literals"
+        cur = conn.connection.cursor()
+        state = form.compiled.construct_expanded_state(params)
+        expanded = cur.mogrify(state.statement, dict(state.parameters))
+        literal = jobq._int_lists_sql(form, params)
+        values = {k: v for k, v in form.compiled.construct_params(params).items() if k not in dict(form.int_lists)}
+        conn.rollback()
+        return expanded, None if literal is None else cur.mogrify(literal, values)
+
+
+@only("mysql", "mariadb")  # the engines whose driver writes parameters into the SQL text
+def test_an_id_list_goes_to_the_server_as_the_driver_would_write_it(engine: sa.Engine) -> None:
+    d = jobq._prepare(engine)
+    expanded, literal = _as_sent(engine, _ids_read(engine), {"b_ids": [30, 2, 11]})
+    assert literal == expanded and "IN (30, 2, 11)" in literal
+    # A hot statement with other parameters around the list: the same bytes too.
+    now = dt.datetime(2026, 12, 4, 1, 2, 3, 456789)
+    lease = {"b_ids": [5, 7], "b_owner": "w'1", "b_token": "t" * 32, "b_state": "running", "b_now": now, "b_expires": now}
+    expanded, literal = _as_sent(engine, jobq._q_lease(d), lease)
+    assert literal == expanded
+
+
+@only("mysql", "mariadb")
+def test_a_list_that_is_not_all_ints_is_left_to_sqlalchemy(engine: sa.Engine) -> None:
+    ids = [jobq.enqueue(engine, "t") for _ in range(3)]
+    stmt = _ids_read(engine)
+    for bad in (["0) OR (1=1"], [ids[0], "0) OR (1=1"], [True], [1.0], [], None):
+        assert _as_sent(engine, stmt, {"b_ids": bad})[1] is None, bad
+    with engine.connect() as conn:
+        assert [r[0] for r in jobq._hot_rows(conn, stmt, {"b_ids": ["0) OR (1=1"]})] == []
+        assert [r[0] for r in jobq._hot_rows(conn, stmt, {"b_ids": ids[:2]})] == ids[:2]
+        conn.rollback()
+
+
+@only("mysql", "mariadb")
+def test_a_list_written_without_checking_its_values_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: every list written into the SQL text as it comes: a string in it is SQL."""
+
+    def unchecked(form: Any, params: Any) -> str:
+        sql = form.sql
+        for name, mark in form.int_lists:
+            sql = sql.replace(mark, ", ".join(map(str, params[name])))
+        return sql
+
+    ids = [jobq.enqueue(engine, "t") for _ in range(3)]
+    monkeypatch.setattr(jobq, "_int_lists_sql", unchecked)
+    with engine.connect() as conn:
+        assert [r[0] for r in jobq._hot_rows(conn, _ids_read(engine), {"b_ids": ["0) OR (1=1"]})] == ids
+        conn.rollback()
