@@ -2328,7 +2328,14 @@ def _install_sqlite_hooks(engine: Engine) -> None:
         opts = conn.get_execution_options()
         if opts.get("isolation_level") == "AUTOCOMMIT":
             return
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if opts.get("jobq_immediate") else "BEGIN")
+        # On the cursor, as the hot path's statements (_hot_rowcount: errors wrapped as
+        # Connection.execute wraps them, and through it whenever anything watches statements).
+        _hot_rowcount(conn, _SQLITE_BEGIN[bool(opts.get("jobq_immediate"))], {})
+
+
+#: SQLite's transaction starts (_install_sqlite_hooks): deferred, and IMMEDIATE for a write
+#: that must hold the write lock from its first read (the claim).
+_SQLITE_BEGIN = {False: sa.text("BEGIN"), True: sa.text("BEGIN IMMEDIATE")}
 
 
 def _check_version(family: str, version: tuple[int, ...]) -> None:
