@@ -769,27 +769,20 @@ def _q_ready_groups(d: _Dialect) -> sa.TextualSelect:
     return _prebuilt(d, "ready_groups", lambda: _ready_groups(d.recursion_hint))
 
 
-def _q_ready_groups_ranged() -> sa.Select[Any]:
-    """The groups among the next b_entries ready-index entries after b_after, with how many
-    entries each had there, the first b_groups of them: a read bounded by entries, not groups
-    (_GroupScan, where the engine's recursion is slow per level). The last group may have more
-    entries beyond. (Without b_groups, groups of 2 jobs sent back 4 times the rows the scan
-    uses: 0.5-0.9 ms of a MySQL/MariaDB claim.)"""
-    sub = (sa.select(_c.group_key).where(_state_is("ready"), _c.group_key > sa.bindparam("b_after", type_=_NAME))
-           .order_by(_c.group_key).limit(sa.bindparam("b_entries", type_=sa.Integer)).subquery("e"))
-    return (sa.select(sub.c.group_key, sa.func.count()).group_by(sub.c.group_key).order_by(sub.c.group_key)
-            .limit(sa.bindparam("b_groups", type_=sa.Integer)))
-
-
-_Q_READY_GROUPS_RANGED = _q_ready_groups_ranged()
+#: The first and the last group with ready work, read at the two ends of the ready index
+#: (MySQL/MariaDB answer MIN and MAX over an index prefix without a scan): where they are the
+#: same group, it is the only one, and a claim from the first group needs no group scan.
+_Q_READY_GROUP_SPAN = sa.select(sa.func.min(_c.group_key), sa.func.max(_c.group_key)).where(_state_is("ready"))
 
 
 def _q_ready_groups_ranged_read(d: _Dialect, typed: bool) -> sa.TextualSelect:
-    """_Q_READY_GROUPS_RANGED that is also the window read of every group it sees whole: per
-    group, beside its entries, how many of them are runnable now, the largest weight among
-    those and their ids in claim order, each followed by ";". One statement where the count
-    and an IN-list read of those groups took two (MySQL/MariaDB, 1.2-1.4 ms less at 64
-    groups). GROUP_CONCAT stops at group_concat_max_len (1,024 bytes by default on MySQL): the
+    """The groups among the next b_entries ready-index entries after b_after, the first
+    b_groups of them, with how many entries each had there (the last group may have more
+    beyond): a read bounded by entries, not groups, for the engines whose recursion is slow
+    per level (_GroupScan). It is also the window read of every group it sees whole: per group,
+    how many of its entries are runnable now, the largest weight among those and their ids in
+    claim order, each followed by ";". One statement where a count and an IN-list read of those
+    groups took two (MySQL/MariaDB, 1.2-1.4 ms less at 64 groups). GROUP_CONCAT stops at group_concat_max_len (1,024 bytes by default on MySQL): the
     caller takes a list only if it ends with ";" and holds every runnable id."""
     def build() -> sa.TextualSelect:
         typed_sql = " AND j.type IN :b_types" if typed else ""
@@ -2019,7 +2012,7 @@ class _Dialect:
     recursion_hint: str = ""
     #: Each level of a recursive CTE costs about 0.25 ms (MySQL/MariaDB, 16 ms for a window of
     #: 64 groups): the claim's group scan first reads the next few hundred ready-index entries
-    #: (_Q_READY_GROUPS_RANGED) and recurses only past groups too big for that read.
+    #: (_q_ready_groups_ranged_read) and recurses only past groups too big for that read.
     ranged_group_scan: bool = False
     #: A compound SELECT may LIMIT its parenthesised terms (not SQLite).
     compound_limits: bool = True
@@ -4256,20 +4249,23 @@ class _GroupScan:
         if self.ranged:
             entries = 8 * n  # groups of up to 8 ready jobs each come from this one read
             params = {"b_after": self.pos, "b_entries": entries, "b_groups": n + 1}
-            # From the first group, count first: one group alone is the one-group claim, which
-            # locks its jobs directly (_q_candidates); reading them here cost it 0.3 ms.
-            rows = [] if self.pos else _hot_rows(self.conn, _Q_READY_GROUPS_RANGED, params)
-            read = bool(self.pos) or len(rows) > 1
-            if read:
-                rows = _hot_rows(self.conn, self.ranged_stmt, {**params, **self.ranged_params})
+            if not self.pos:
+                # From the first group, look at both ends of the ready index first: one group
+                # alone is the one-group claim, which locks its jobs directly (_q_candidates),
+                # and needs neither this read (0.7 ms on MariaDB, 8 * n index entries) nor the
+                # recursion past its end (0.6 ms).
+                span = _hot_rows(self.conn, _Q_READY_GROUP_SPAN, {})
+                first, last = span[0] if span else (None, None)
+                if first is None or first == last:
+                    return [] if first is None else [first]
+            rows = _hot_rows(self.conn, self.ranged_stmt, {**params, **self.ranged_params})
             got = [r[0] for r in rows][:n]
             # A group followed by another in this read was read whole; so was the last one if
             # the read ended before its entries did (the end of the ready set).
             cut = len(rows) <= n and sum(r[1] for r in rows) >= entries
-            if read:
-                for g, _k, runnable, top, ids in rows[:n] if not cut else rows[:-1]:
-                    if (whole := _concat_ids(runnable, ids, self.limit)) is not None:
-                        self.read[g] = whole, top
+            for g, _k, runnable, top, ids in rows[:n] if not cut else rows[:-1]:
+                if (whole := _concat_ids(runnable, ids, self.limit)) is not None:
+                    self.read[g] = whole, top
             if len(got) == n or not cut:  # enough, or the end of the ready set
                 return got
         after = got[-1] if got else self.pos  # the read ended inside a big group: skip past it
