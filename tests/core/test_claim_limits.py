@@ -132,3 +132,76 @@ def test_a_window_read_cut_by_group_concat_max_len_is_read_again(engine: sa.Engi
         assert len(leases) < 10
     else:
         assert {lease.id for lease in leases} == every and len(leases) == 10
+
+
+def _scans(d: jobq._Dialect) -> list[object]:
+    """Every statement a group scan may run on this engine."""
+    return [jobq._q_ready_groups(d), *(f(d, t) for t in (False, True)
+            for f in (jobq._q_ready_groups_read, jobq._q_ready_groups_ranged_read))]
+
+
+def _claimed_with_statements(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, limit: int) -> tuple[list[str], list[object]]:
+    seen: list[object] = []
+    real = jobq._hot_rows
+
+    def spy(conn: sa.Connection, stmt: object, params: object) -> list[object]:
+        seen.append(stmt)
+        return real(conn, stmt, params)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(jobq, "_hot_rows", spy)
+    leases = jobq.claim_batch(engine, "w", 30, limit=limit, max_in_flight=100)
+    monkeypatch.undo()
+    return [lease.group_key for lease in leases], seen
+
+
+def _without_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broken variant: every claim scans groups, as before the span was read."""
+    real = jobq._GroupScan.__init__
+
+    def init(self: jobq._GroupScan, *args: object, **kw: object) -> None:
+        real(self, *args, **kw)  # type: ignore[arg-type]
+        self.span_first = False
+
+    monkeypatch.setattr(jobq._GroupScan, "__init__", init)
+
+
+@only("postgresql", "mysql", "mariadb")  # capability: span_first (a statement costs a round trip)
+@pytest.mark.parametrize("broken", [False, True], ids=["jobq", "broken-variant"])
+def test_a_claim_with_one_group_ready_scans_no_groups(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
+                                                      broken: bool) -> None:
+    """One group holds all the ready work (the common case: every job in "default"). Correct:
+    the claim reads the first and last group with ready work together with its in-flight
+    counts, finds them the same, and leases without a group scan. With two groups it scans,
+    and both get their share. The broken variant scans groups on every claim."""
+    d = jobq._prepare(engine)
+    _ready_rows(engine, {"only": 6})
+    if broken:
+        _without_span(monkeypatch)
+    groups, seen = _claimed_with_statements(engine, monkeypatch, 4)
+    assert groups == ["only"] * 4
+    assert jobq._Q_SLOTS_AND_SPAN in seen
+    scanned = [s for s in seen if any(s is scan for scan in _scans(d))]
+    if broken:
+        assert scanned
+        return
+    assert not scanned
+    _ready_rows(engine, {"another": 2})
+    groups, seen = _claimed_with_statements(engine, monkeypatch, 4)
+    assert sorted(groups) == ["another", "another", "only", "only"]
+    assert any(s is scan for s in seen for scan in _scans(d))
+
+
+@only("postgresql", "mysql", "mariadb")
+def test_the_span_of_groups_is_read_with_the_in_flight_counts(engine: sa.Engine) -> None:
+    """_slots_and_span: the same counts as _in_flight_counts, and the first and last group
+    whose jobs are ready (a leased job's group is not ready work; no ready work, no span)."""
+    now = db_now(engine)
+    _ready_rows(engine, {"k": 2, "c": 1, "x": 1})
+    (leased,) = jobq.claim_batch(engine, "w", 30, limit=1, group_caps={"c": 0, "k": 0})
+    assert leased.group_key == "x"
+    with engine.connect() as conn:
+        assert jobq._slots_and_span(conn, now) == (jobq._in_flight_counts(conn, now), ("c", "k"))
+        assert jobq._in_flight_counts(conn, now) == {"x": 1}
+        conn.execute(sa.update(jobq.Job.__table__).values(state="waiting").where(jobq.Job.__table__.c.state == "ready"))
+        assert jobq._slots_and_span(conn, now) == ({"x": 1}, (None, None))
+        conn.rollback()

@@ -60,7 +60,7 @@ def test_a_drain_runs_its_claim_and_finalize_on_the_cursor(engine: sa.Engine, mo
     d = jobq._prepare(engine)
     # Every engine: the claim's lock (or its read of the stored policy) and its in-flight count.
     assert any(s is jobq._q_lock_claim(d, p) or s is jobq._q_claim_lock_value(p) for s in seen for p in (False, True))
-    assert jobq._Q_SLOTS_IN_USE in seen
+    assert (jobq._Q_SLOTS_AND_SPAN if d.span_first else jobq._Q_SLOTS_IN_USE) in seen
     finish = jobq._q_finish_recorded(d) if d.dml_ctes else jobq._q_finish_batch_same(d)
     assert finish in seen
     for name, lock in (("chosen", lambda: jobq._q_lock_chosen(d)), ("candidates:True", lambda: jobq._q_candidates(d, True))):
@@ -94,8 +94,9 @@ def _listened(engine: sa.Engine) -> list[str]:
 
 def _claim_lock_sql(engine: sa.Engine) -> list[str]:
     d = jobq._prepare(engine)
+    slots = jobq._Q_SLOTS_AND_SPAN if d.span_first else jobq._Q_SLOTS_IN_USE
     return [" ".join(str(s.compile(dialect=engine.dialect)).split())
-            for s in (jobq._Q_SLOTS_IN_USE, jobq._q_lock_claim(d), jobq._q_lock_claim(d, True))]
+            for s in (slots, jobq._q_lock_claim(d), jobq._q_lock_claim(d, True))]
 
 
 def test_statement_listeners_see_every_statement_of_a_drain(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
