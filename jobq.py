@@ -2610,18 +2610,19 @@ class _Direct:
         self.binds = binds
         self.order = order  # positional paramstyles: the parameters' order; None: by name
         # Expanding IN lists (MySQL/MariaDB's id lists): rendered per call for the list's
-        # length, as Connection.execute renders them (SQLCompiler.construct_expanded_state).
+        # length, as Connection.execute renders them (SQLCompiler.construct_expanded_state),
+        # or as integer literals (int_lists, below).
         self.expanding = bool(compiled.post_compile_params)
         # The expanding lists that may be rendered as integer literals (d.literal_int_lists):
         # by name, with the placeholder SQLAlchemy leaves in the text for each. Set by
         # _direct_form; empty: every list is expanded by SQLAlchemy.
         self.int_lists: tuple[tuple[str, str], ...] = ()
         # The result columns' types (a text() without .columns() has none: its values come as
-        # the driver gives them, as from Connection.execute), and per column its result
-        # processor, resolved on the first execution from the cursor's type codes (as
-        # SQLAlchemy does); empty: none converts.
+        # the driver gives them, as from Connection.execute), and (position, result processor)
+        # for each column that converts, resolved on the first execution from the cursor's
+        # type codes (as SQLAlchemy does); empty: none converts.
         self.columns = [c.type.dialect_impl(compiled.dialect) for c in getattr(stmt, "selected_columns", ())]
-        self.results: list[Callable[[Any], Any] | None] | None = None if self.columns else []
+        self.results: list[tuple[int, Callable[[Any], Any]]] | None = None if self.columns else []
 
     def rows(self, cur: Any) -> list[Any]:
         got = cur.fetchall()
@@ -2630,11 +2631,16 @@ class _Direct:
             if len(desc) != len(self.columns):
                 raise JobqError(f"{len(desc)} columns where {len(self.columns)} were compiled: {self.sql[:80]}")
             procs = [t.result_processor(self.compiled.dialect, d[1]) for t, d in zip(self.columns, desc, strict=True)]
-            self.results = procs if any(procs) else []
+            self.results = [(i, f) for i, f in enumerate(procs) if f is not None]
         if not self.results:
             return list(got)
-        procs = self.results
-        return [tuple([v if f is None else f(v) for f, v in zip(procs, row, strict=True)]) for row in got]
+        out = []
+        for row in got:  # only the columns that convert (MySQL/MariaDB: the lease's timeout, 1 of 9)
+            values = list(row)
+            for i, f in self.results:
+                values[i] = f(values[i])
+            out.append(tuple(values))
+        return out
 
 
 _DIRECT: weakref.WeakKeyDictionary[Any, dict[int, _Direct | None]] = weakref.WeakKeyDictionary()
