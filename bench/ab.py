@@ -1,0 +1,95 @@
+"""jobq benchmark, "ab" mode: the working tree's jobq.py against a git revision's, one process.
+
+Loads ``jobq.py`` as it is in the working tree and as it was at ``--rev`` (``git show``) side by
+side in one process, and alternates their drains of the same no-op jobs (one ``Worker``,
+``--concurrency`` slots, ``run_until_idle``), the order flipping each round, so the machine's
+drift falls on both alike. Prints each side's median jobs/s and client CPU per job (this
+process's user + system time over the drain, seeding excluded) and new/old. What one change
+bought, where bench.py's drains compare contenders.
+
+Run:
+    python bench/ab.py --url postgresql+psycopg://postgres@127.0.0.1/test --rev HEAD~1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from types import ModuleType
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import sqlalchemy as sa
+
+import bench as B  # imports the working tree's jobq
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load(name: str, path: pathlib.Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _drain(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]:
+    """(jobs/s, client CPU µs per job) of one drain of ``n`` fresh no-op jobs."""
+    eng = sa.create_engine(url)
+    jobq.Base.metadata.drop_all(eng)
+    jobq.create_schema(eng)
+    B.seed(eng, n)
+    eng.dispose()
+    gc.collect()
+    eng = sa.create_engine(url)
+    w = jobq.Worker(eng, {"noop": B._noop}, max_concurrency=conc, poll_interval=0.05, lease_ttl=60)
+    c0, t0 = B._cpu(), time.perf_counter()
+    if not w.run_until_idle(timeout=600):
+        raise RuntimeError("the drain did not finish")
+    elapsed, cpu = time.perf_counter() - t0, B._cpu() - c0
+    with eng.connect() as conn:
+        done = conn.execute(sa.text("SELECT count(*) FROM jobs WHERE state = 'done'")).scalar()
+    eng.dispose()
+    if done != n:
+        raise RuntimeError(f"{done} of {n} jobs done")
+    return n / elapsed, cpu / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="sqlite:////dev/shm/jobq_ab.db")
+    ap.add_argument("--rev", default="HEAD", help="the git revision whose jobq.py is 'old'")
+    ap.add_argument("--jobs", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=64)
+    args = ap.parse_args()
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:jobq.py"], capture_output=True, text=True,
+                            check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "jobq_old.py"
+        path.write_text(source)
+        sides = {"old": _load("jobq_old", path), "new": B.jobq}
+        got: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+        for i in range(args.rounds):
+            for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                got[name].append(_drain(sides[name], args.url, args.jobs, args.concurrency))
+                rate, cpu = got[name][-1]
+                print(f"  round {i + 1} {name}: {rate:,.0f} jobs/s, {cpu:.1f} µs CPU/job", flush=True)
+    med = {k: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v)) for k, v in got.items()}
+    print(f"{args.rev} → working tree, {args.jobs:,} jobs, {args.concurrency} slots, medians of {args.rounds}:")
+    for k in ("old", "new"):
+        print(f"  {k}: {med[k][0]:,.0f} jobs/s, {med[k][1]:.1f} µs CPU/job")
+    print(f"  new/old: {med['new'][0] / med['old'][0]:.2f}x jobs/s, {med['new'][1] / med['old'][1]:.2f}x CPU/job")
+
+
+if __name__ == "__main__":
+    main()
