@@ -769,8 +769,6 @@ def _q_ready_groups(d: _Dialect) -> sa.TextualSelect:
     return _prebuilt(d, "ready_groups", lambda: _ready_groups(d.recursion_hint))
 
 
-
-
 def _q_ready_groups_ranged_read(d: _Dialect, typed: bool) -> sa.TextualSelect:
     """The groups among the next b_entries ready-index entries after b_after, the first
     b_groups of them, with how many entries each had there (the last group may have more
@@ -778,8 +776,9 @@ def _q_ready_groups_ranged_read(d: _Dialect, typed: bool) -> sa.TextualSelect:
     per level (_GroupScan). It is also the window read of every group it sees whole: per group,
     how many of its entries are runnable now, the largest weight among those and their ids in
     claim order, each followed by ";". One statement where a count and an IN-list read of those
-    groups took two (MySQL/MariaDB, 1.2-1.4 ms less at 64 groups). GROUP_CONCAT stops at group_concat_max_len (1,024 bytes by default on MySQL): the
-    caller takes a list only if it ends with ";" and holds every runnable id."""
+    groups took two (MySQL/MariaDB, 1.2-1.4 ms less at 64 groups). GROUP_CONCAT stops at
+    group_concat_max_len (1,024 bytes by default on MySQL): the caller takes a list only if it
+    ends with ";" and holds every runnable id."""
     def build() -> sa.TextualSelect:
         typed_sql = " AND j.type IN :b_types" if typed else ""
         stmt = sa.text(
