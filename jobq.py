@@ -2669,12 +2669,12 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
         binds = {name: proc for b, name in compiled.bind_names.items()
                  if (proc := b.type.dialect_impl(dialect).bind_processor(dialect)) is not None}
         form = _Direct(stmt, compiled, binds, tuple(compiled.positiontup) if compiled.positional else None)
-        lists = [b for b in compiled.post_compile_params if b.type.dialect_impl(dialect).bind_processor(dialect) is None]
-        if (lists and len(lists) == len(compiled.post_compile_params) and form.order is None
-                and _capabilities(_family(dialect), ()).literal_int_lists):
-            form.int_lists = tuple((b.key, f"__[POSTCOMPILE_{b.key}]") for b in lists)
-            if not all(mark in form.sql for _name, mark in form.int_lists):
-                form.int_lists = ()  # not the text this was written against: SQLAlchemy expands them
+        lists = compiled.post_compile_params
+        if (lists and form.order is None and _capabilities(_family(dialect), ()).literal_int_lists
+                and all(b.type.dialect_impl(dialect).bind_processor(dialect) is None for b in lists)):
+            marks = tuple((b.key, f"__[POSTCOMPILE_{b.key}]") for b in lists)
+            if all(mark in form.sql for _name, mark in marks):  # else not the text this was written for
+                form.int_lists = marks
     forms[key] = form
     return form
 
@@ -2704,15 +2704,8 @@ def _on_cursor(conn: Connection, form: _Direct, params: Mapping[str, Any], rows:
     """Run ``form`` with ``params`` on a cursor of ``conn``'s DBAPI connection, inside its
     transaction: the rows as tuples (``rows``), else the row count."""
     sql, order = form.sql, form.order
-    literal = form.int_lists and _int_lists_sql(form, params)
-    if literal:
-        sql = literal
-        values = form.compiled.construct_params(params)
-        for name, _mark in form.int_lists:
-            del values[name]
-        for name, proc in form.binds.items():
-            values[name] = proc(values[name])
-    elif form.expanding:
+    literal = _int_lists_sql(form, params) if form.int_lists else None
+    if form.expanding and literal is None:
         state = form.compiled.construct_expanded_state(params)
         sql, values, order = state.statement, dict(state.parameters), state.positiontup
         for name, proc in state.processors.items():  # the lists' elements
@@ -2720,8 +2713,11 @@ def _on_cursor(conn: Connection, form: _Direct, params: Mapping[str, Any], rows:
         for name, proc in form.binds.items():
             if name in values:  # not an expanded list
                 values[name] = proc(values[name])
-    else:
+    else:  # no lists, or every list written into the SQL as literals
+        sql = literal or sql
         values = form.compiled.construct_params(params)
+        for name, _mark in form.int_lists:
+            del values[name]
         for name, proc in form.binds.items():
             values[name] = proc(values[name])
     args: Any = values if order is None else tuple([values[k] for k in order])
