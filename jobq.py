@@ -1813,12 +1813,20 @@ def _q_reclaimed(ids: list[int]) -> sa.Select[Any]:
     return sa.select(_c.id, _c.type, _c.group_key, _c.attempts, _c.state).where(_c.id.in_(ids)).order_by(_c.id)
 
 
-def _q_busy_or_due(types: Sequence[str], now: _dt.datetime) -> sa.Select[Any]:
+def _q_busy_or_due(types: Sequence[str], now: _dt.datetime) -> sa.CompoundSelect:
     # run_until_idle's test: work of these types that is due, leased or running, or ready again
     # after an attempt (a retry backing off is part of running the job). A job first scheduled
-    # for later is not due: it must not keep the worker ticking.
-    due = sa.and_(_state_is("ready"), sa.or_(_c.run_after <= now, _c.attempts > 0))
-    return sa.select(_c.id).where(sa.or_(due, _state_is("leased", "running")), _c.type.in_(list(types))).limit(1)
+    # for later is not due: it must not keep the worker ticking. Two probes, one per partial
+    # index (ready rows; in-flight rows, which are exactly the leased and running ones): one
+    # WHERE with an OR over both scanned the whole table, finished history included (16 ms at
+    # 100k done rows on SQLite, on every idle check).
+    typed = _c.type.in_(list(types))
+    # Ordered as the ready index is, so that statistics gathered while every row was ready
+    # cannot make a table scan look cheaper (SQLite).
+    due = (sa.select(_c.id).where(_state_is("ready"), sa.or_(_c.run_after <= now, _c.attempts > 0), typed)
+           .order_by(_c.group_key).limit(1))
+    live = sa.select(_c.id).where(_c.in_flight == _TRUE, _state_is(*_LIVE), typed).limit(1)
+    return sa.union_all(due.subquery().select(), live.subquery().select())
 
 
 def _q_hold_slots() -> sa.Insert:

@@ -55,6 +55,7 @@ HOT = {
     "window candidates": lambda e: jobq._q_window_candidates(_d(e), 4, True).params(
         b_g0="g", b_g1="h", b_g2="i", b_g3="", b_now=NOW, b_types=["t"], b_limit=10),
     "expired leases": lambda e: jobq._q_expired(_d(e)).params(b_now=NOW, b_limit=100),
+    "run_until_idle's idle check": lambda e: jobq._q_busy_or_due(["t"], NOW),
     # PostgreSQL's scan that reads each group's candidates too (SQLite's: below, with bound JSON)
     "ready groups with candidates": lambda e: (jobq._q_ready_groups_read(_d(e), True) if _d(e).lateral_arrays
                                                else jobq._Q_READY_GROUPS).params(
@@ -104,6 +105,18 @@ def test_the_broken_index_predicate_is_caught(engine: sa.Engine) -> None:
         conn.exec_driver_sql("CREATE INDEX ix_jobs_in_flight ON jobs (group_key) WHERE in_flight")
     plan = _plans(engine, jobq._Q_IN_FLIGHT_BY_GROUP)
     assert "SCAN jobs" in plan
+
+
+@only("sqlite", "postgresql")
+def test_the_idle_check_written_as_one_or_is_caught(engine: sa.Engine) -> None:
+    """BROKEN variant of run_until_idle's idle check: one WHERE with an OR over the ready and
+    the leased or running rows (as it was until 2026-12-04). No partial index covers the OR,
+    so it scans the table, every finished job included; the check above catches that."""
+    due = sa.and_(jobq._state_is("ready"), sa.or_(jobq._c.run_after <= NOW, jobq._c.attempts > 0))
+    broken = sa.select(jobq._c.id).where(sa.or_(due, jobq._state_is("leased", "running")),
+                                         jobq._c.type.in_(["t"])).limit(1)
+    with pytest.raises(AssertionError):
+        _check("one OR", _plans(engine, broken))
 
 
 @only("postgresql")
