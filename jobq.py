@@ -5785,27 +5785,44 @@ class JobContext:
         return f"JobContext(id={self.id}, type={self.type!r}, attempt={self.attempt})"
 
 
-@dataclasses.dataclass
-class _Running:
-    lease: Lease
-    ctx: JobContext
-    started: float  # monotonic
-    deadline: float | None  # monotonic
-    last_beat: float  # monotonic time of the last successful heartbeat (or the claim)
-    thread: threading.Thread | None = None
-    process: Any = None  # the handler's process, with the process executor
-    abandoned: bool = False  # released (timed out / shutdown / lease lost) while its handler still ran
-    returned: bool = False  # the handler thread has finished
-    size: int = 0  # bytes of its encoded result, once returned
-    spawned: bool = False  # the handler called ctx.enqueue/submit: its held jobs go with its outcome
-    own: set[int] = dataclasses.field(default_factory=set)  # ids it spawned
-    write_failures: int = 0  # writes of its outcome that failed while the database was up
+_NO_IDS: frozenset[int] = frozenset()
 
-    @property
-    def key(self) -> tuple[str, int]:
+
+class _Running:
+    """One dispatch in this worker: a claimed job's lease, its context and its handler's state.
+
+    A plain class with slots, its key computed once: a claim makes one per job, and each
+    object a job allocates is one more for the garbage collector's young generations to walk
+    while the job runs (a no-op drain spent 14% of its time there, with nine per job).
+    """
+
+    __slots__ = ("lease", "ctx", "key", "started", "deadline", "last_beat", "thread", "process", "abandoned",
+                 "returned", "size", "spawned", "own", "write_failures", "_worker")
+
+    def __init__(self, lease: Lease, ctx: JobContext, started: float, deadline: float | None, last_beat: float,
+                 worker: Any = None) -> None:
+        self.lease = lease
+        self.ctx = ctx
         # A dispatch, not a job: the same worker may hold attempt 1 (lease lost, handler still
         # going) and attempt 2 of one job at once. Leases of one claim share a token.
-        return self.lease.token, self.lease.id
+        self.key: tuple[str, int] = (lease.token, lease.id)
+        self.started = started  # monotonic
+        self.deadline = deadline  # monotonic
+        self.last_beat = last_beat  # monotonic time of the last successful heartbeat (or the claim)
+        self.thread: threading.Thread | None = None
+        self.process: Any = None  # the handler's process, with the process executor
+        self.abandoned = False  # released (timed out / shutdown / lease lost) while its handler still ran
+        self.returned = False  # the handler thread has finished
+        self.size = 0  # bytes of its encoded result, once returned
+        self.spawned = False  # the handler called ctx.enqueue/submit: its held jobs go with its outcome
+        self.own: frozenset[int] = _NO_IDS  # ids it spawned
+        self.write_failures = 0  # writes of its outcome that failed while the database was up
+        self._worker = worker
+
+    def __call__(self, plan: _Plan) -> dict[str, int]:
+        """The context's spawner (ctx.enqueue/submit): the worker inserts ``plan`` held under this
+        dispatch's lease."""
+        return self._worker._spawn(self, plan)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass
@@ -6236,12 +6253,13 @@ class _WorkerCore:
         # One claim's leases together: registered under one acquisition of the lock, then started.
         runs: list[_Running] = []
         now = time.monotonic()
+        save = self._save_checkpoint  # one bound method for the claim, not one per job
         for lease in leases:
             ctx = JobContext(lease, self)
-            ctx._save = self._save_checkpoint
+            ctx._save = save
             timeout = lease.timeout if lease.timeout is not None else self.timeout
-            run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now)
-            ctx._spawner = functools.partial(self._spawn, run)
+            run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now, self)
+            ctx._spawner = run
             runs.append(run)
         with self._lock:
             for run in runs:
@@ -6288,7 +6306,7 @@ class _WorkerCore:
         """A handler's ctx.enqueue/submit (in its thread, or for a handler process here)."""
         run.spawned = True  # before the insert: whatever may have landed goes with the outcome
         ids = _spawn(self.engine, plan, _Hold(run.lease.id, run.lease.token, frozenset(run.own)))
-        run.own.update(ids.values())
+        run.own = run.own.union(ids.values())
         return ids
 
     @staticmethod
