@@ -119,6 +119,24 @@ def test_the_idle_check_written_as_one_or_is_caught(engine: sa.Engine) -> None:
         _check("one OR", _plans(engine, broken))
 
 
+def _span_dives(plan: str) -> bool:
+    # Both ends of the ready index read by a search each, not by a walk of the index.
+    return plan.count("SEARCH jobs USING INDEX ix_jobs_ready") == 2 and "SCAN jobs USING INDEX ix_jobs_ready" not in plan
+
+
+@only("sqlite")
+def test_the_span_of_ready_groups_is_two_index_dives(engine: sa.Engine) -> None:
+    """The first and the last group with ready work, alone (_Q_READY_GROUP_SPAN) and with the
+    in-flight counts (_Q_SLOTS_AND_SPAN): a search at each end of the ready index, whatever the
+    ready set's size. BROKEN variant: MIN and MAX in one SELECT, which SQLite answers by walking
+    the whole ready index (it reads a MIN or a MAX off an index only as a SELECT's one aggregate)."""
+    for stmt in (jobq._Q_READY_GROUP_SPAN, jobq._Q_SLOTS_AND_SPAN.params(b_now=NOW)):
+        plan = _plans(engine, stmt)
+        assert _span_dives(plan), plan
+    broken = sa.select(sa.func.min(jobq._c.group_key), sa.func.max(jobq._c.group_key)).where(jobq._state_is("ready"))
+    assert not _span_dives(_plans(engine, broken))
+
+
 @only("postgresql")
 def test_stale_statistics_cannot_turn_the_claim_into_a_table_scan(engine: sa.Engine) -> None:
     """The PostgreSQL trap measured in the benchmark: ANALYZE taken while many jobs were in
