@@ -6311,7 +6311,7 @@ class _WorkerCore:
     def _spawn(self, run: _Running, plan: _Plan) -> dict[str, int]:
         """A handler's ctx.enqueue/submit (in its thread, or for a handler process here)."""
         run.spawned = True  # before the insert: whatever may have landed goes with the outcome
-        ids = _spawn(self.engine, plan, _Hold(run.lease.id, run.lease.token, frozenset(run.own)))
+        ids = _spawn(self.engine, plan, _Hold(run.lease.id, run.lease.token, run.own))  # immutable: no copy
         run.own = run.own.union(ids.values())
         return ids
 
