@@ -1187,19 +1187,17 @@ _Q_SLOTS_IN_USE = sa.union_all(_Q_IN_FLIGHT_BY_GROUP, _Q_HELD_SLOTS_BY_GROUP)  #
 
 #: The first and the last group with ready work, read at the two ends of the ready index (MIN
 #: and MAX over an index prefix are index dives, not scans): where they are the same group, it
-#: is the only one, and a claim from the first group needs no group scan (_GroupScan).
-#: Each end its own subquery: SQLite reads a MIN or a MAX off an index only when it is a SELECT's
-#: one aggregate, and walked the whole ready index for both in one.
-_Q_READY_GROUP_SPAN = sa.select(
-    sa.select(sa.func.min(_c.group_key)).where(_state_is("ready")).scalar_subquery(),
-    sa.select(sa.func.max(_c.group_key)).where(_state_is("ready")).scalar_subquery(),
-)
+#: is the only one, and a claim from the first group needs no group scan (_GroupScan). Each end
+#: is a SELECT of its own: SQLite reads a MIN or a MAX off an index only when it is a SELECT's
+#: one aggregate, and walks the whole ready index for both in one.
+_READY_FIRST = sa.select(sa.func.min(_c.group_key)).where(_state_is("ready"))
+_READY_LAST = sa.select(sa.func.max(_c.group_key)).where(_state_is("ready"))
+_Q_READY_GROUP_SPAN = sa.select(_READY_FIRST.scalar_subquery(), _READY_LAST.scalar_subquery())
 #: _Q_SLOTS_IN_USE with that span as two more rows, counted -1 (the first group) and -2 (the
 #: last): a capped claim reads both after its lock in one round trip (_slots_and_span).
 _Q_SLOTS_AND_SPAN = sa.union_all(
     _Q_IN_FLIGHT_BY_GROUP, _Q_HELD_SLOTS_BY_GROUP,
-    sa.select(sa.func.min(_c.group_key), sa.literal_column("-1")).where(_state_is("ready")),
-    sa.select(sa.func.max(_c.group_key), sa.literal_column("-2")).where(_state_is("ready")),
+    _READY_FIRST.add_columns(sa.literal_column("-1")), _READY_LAST.add_columns(sa.literal_column("-2")),
 )
 
 
@@ -5806,7 +5804,7 @@ class _Running:
                  "returned", "size", "spawned", "own", "write_failures", "_worker")
 
     def __init__(self, lease: Lease, ctx: JobContext, started: float, deadline: float | None, last_beat: float,
-                 worker: Any = None) -> None:
+                 worker: Any) -> None:
         self.lease = lease
         self.ctx = ctx
         # A dispatch, not a job: the same worker may hold attempt 1 (lease lost, handler still
