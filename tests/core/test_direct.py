@@ -234,9 +234,12 @@ def _as_sent(engine: sa.Engine, stmt: Any, params: dict[str, Any]) -> tuple[str,
         assert form is not None and form.int_lists, "an id list that is not written as literals"
         cur = conn.connection.cursor()
         state = form.compiled.construct_expanded_state(params)
-        expanded = cur.mogrify(state.statement, dict(state.parameters))
+        expanded = cur.mogrify(state.statement, state.positional_parameters if form.order else dict(state.parameters))
         literal = jobq._int_lists_sql(form, params)
         values = {k: v for k, v in form.compiled.construct_params(params).items() if k not in dict(form.int_lists)}
+        if form.order is not None:  # positional (mysqlclient): the list's place is gone from the order
+            assert form.literal_order is not None
+            values = tuple(values[k] for k in form.literal_order)  # type: ignore[assignment]
         conn.rollback()
         return expanded, None if literal is None else cur.mogrify(literal, values)
 
@@ -280,3 +283,49 @@ def test_a_list_written_without_checking_its_values_is_caught(engine: sa.Engine,
     with engine.connect() as conn:
         assert [r[0] for r in jobq._hot_rows(conn, _ids_read(engine), {"b_ids": ["0) OR (1=1"]})] == ids
         conn.rollback()
+
+
+def _mogrify(sql: str, args: Any) -> str:
+    """A format-paramstyle driver's interpolation (mysqlclient's, in small): each argument
+    written as a literal in its place; too many or too few arguments raise TypeError."""
+    def lit(v: Any) -> str:
+        if isinstance(v, (int, float)):
+            return str(v)
+        return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    return sql % tuple(lit(v) for v in args)
+
+
+def _positional_forms() -> tuple[Any, Any]:
+    """The lease statement (a list among other parameters) compiled for mysqlclient's dialect,
+    whose paramstyle is positional (``format``); no server or driver needed to compile it."""
+    from sqlalchemy.dialects.mysql.mysqldb import MySQLDialect_mysqldb
+
+    dialect = MySQLDialect_mysqldb()
+    stmt = jobq._q_lease(jobq._capabilities("mysql", (8, 0)))
+    form = jobq._direct_form(dialect, stmt)
+    assert form is not None and form.order is not None and form.int_lists, "not a positional form with a literal list"
+    return form, {"b_ids": [5, 7, 30], "b_owner": "w'1", "b_token": "t" * 32, "b_state": "running",
+                  "b_now": 1, "b_expires": 2}
+
+
+def _check_positional(form: Any, params: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    sql, args = jobq._statement_args(form, params)
+    assert "IN (5, 7, 30)" in sql and isinstance(args, tuple)
+    with monkeypatch.context() as m:
+        m.setattr(form, "int_lists", ())  # SQLAlchemy's expansion: a placeholder per id
+        expanded, expanded_args = jobq._statement_args(form, params)
+    assert "IN (%s, %s, %s)" in expanded
+    assert _mogrify(sql, args) == _mogrify(expanded, expanded_args)
+
+
+def test_a_positional_driver_gets_the_same_statement_with_the_list_written_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_positional(*_positional_forms(), monkeypatch)
+
+
+def test_a_positional_order_that_keeps_the_lists_place_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: the list written into the SQL, its name left in the positional order."""
+    form, params = _positional_forms()
+    monkeypatch.setattr(form, "literal_order", form.order)
+    with pytest.raises(KeyError):
+        _check_positional(form, params, monkeypatch)

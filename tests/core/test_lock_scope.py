@@ -150,7 +150,9 @@ def _waits_on_an_unrelated_row(engine: sa.Engine, via: str = "PRIMARY") -> bool:
         sql = str(compiled)
         assert "UPDATE jobs FORCE INDEX (PRIMARY) SET" in sql, sql
         try:
-            conn.exec_driver_sql(sql.replace("(PRIMARY)", f"({via})"), compiled.params)
+            params = compiled.params  # a tuple for a positional paramstyle (mysqlclient)
+            args = tuple(params[k] for k in compiled.positiontup) if compiled.positional else params
+            conn.exec_driver_sql(sql.replace("(PRIMARY)", f"({via})"), args)
         except sa.exc.OperationalError as exc:
             assert exc.orig.args[0] == 1205, exc  # lock wait timeout
             return True
