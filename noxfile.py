@@ -97,6 +97,21 @@ def _engine_sessions(kind: str, paths: list[str], doc: str, parallel: bool = Fal
 _engine_sessions("tests", CONFORMANCE, "The conformance suite on {engine} only, in parallel.", parallel=True)
 
 
+@nox.session(name="tests-mysqlclient", default=False)
+def tests_mysqlclient(session: nox.Session) -> None:
+    """The MySQL and MariaDB suites through mysqlclient (MySQLdb, the C driver) instead of
+    PyMySQL: the servers JOBQ_TEST_MYSQL_URL and JOBQ_TEST_MARIADB_URL name, their driver swapped."""
+    session.install("-e", ".[test,mysqlclient]")
+    env = _env("mysql,mariadb")
+    for var in (URL_VAR["mysql"], URL_VAR["mariadb"]):
+        url = os.environ.get(var)
+        if not url:
+            session.error(f"{var} names no server: this session runs only against real servers")
+        scheme, sep, rest = url.partition("://")
+        env[var] = f"{scheme.split('+')[0]}+mysqldb{sep}{rest}"
+    session.run("pytest", "tests/core", "tests/dag", "tests/cli", *_workers(session), *session.posargs, env=env)
+
+
 def _race_sessions() -> None:
     # Two pytest runs: the xdist race (every worker a claimer on one queue, so --dist each, and
     # `-- -n 8` or JOBQ_RACE_WORKERS sets the workers), then the per-test harness without -n.
