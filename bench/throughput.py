@@ -8,7 +8,7 @@ them alike. Read the ratios: absolute figures move with that load.
 Contenders, per engine:
 
 * `ceiling`: the work every queue must do, written against the DBAPI directly (psycopg, sqlite3,
-  PyMySQL; no SQLAlchemy): claim 50 ready rows of jobq's own table with the engine's locking read
+  PyMySQL or mysqlclient as the URL names; no SQLAlchemy): claim 50 ready rows of jobq's own table with the engine's locking read
   (`FOR UPDATE SKIP LOCKED`, SQLite's `BEGIN IMMEDIATE`), mark them leased under one token and
   commit; run the no-op; finalize all 50 in one fenced `UPDATE` and commit. No cap, no groups, no
   DAG bookkeeping, no heartbeats, no dispatch to threads.
@@ -78,10 +78,16 @@ def _dbapi_connect(url: str) -> tuple[Any, str]:
 
         return psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, password=u.password or None,
                                dbname=u.database), "postgresql"
-    import pymysql
+    if u.get_driver_name() == "mysqldb":  # mysqlclient, the C driver: compare like with like
+        import MySQLdb
 
-    conn = pymysql.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
-                           database=u.database, autocommit=False)
+        conn = MySQLdb.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+                               database=u.database, autocommit=False)
+    else:
+        import pymysql
+
+        conn = pymysql.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+                               database=u.database, autocommit=False)
     with conn.cursor() as cur:
         cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
     return conn, "mysql"
