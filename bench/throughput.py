@@ -42,6 +42,7 @@ figure that says how much of a core the queue library costs per job, apart from 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -78,16 +79,10 @@ def _dbapi_connect(url: str) -> tuple[Any, str]:
 
         return psycopg.connect(host=u.host, port=u.port or 5432, user=u.username, password=u.password or None,
                                dbname=u.database), "postgresql"
-    if u.get_driver_name() == "mysqldb":  # mysqlclient, the C driver: compare like with like
-        import MySQLdb
-
-        conn = MySQLdb.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
-                               database=u.database, autocommit=False)
-    else:
-        import pymysql
-
-        conn = pymysql.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
-                               database=u.database, autocommit=False)
+    # The URL's driver: mysqlclient (the C driver) or PyMySQL, so jobq and the ceiling share it.
+    driver: Any = importlib.import_module("MySQLdb" if u.get_driver_name() == "mysqldb" else "pymysql")
+    conn = driver.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+                          database=u.database, autocommit=False)
     with conn.cursor() as cur:
         cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
     return conn, "mysql"

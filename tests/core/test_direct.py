@@ -234,7 +234,7 @@ def _as_sent(engine: sa.Engine, stmt: Any, params: dict[str, Any]) -> tuple[str,
         assert form is not None and form.int_lists, "an id list that is not written as literals"
         cur = conn.connection.cursor()
         state = form.compiled.construct_expanded_state(params)
-        expanded = cur.mogrify(state.statement, state.positional_parameters if form.order else dict(state.parameters))
+        expanded = cur.mogrify(state.statement, state.positional_parameters if form.order is not None else dict(state.parameters))
         literal = jobq._int_lists_sql(form, params)
         values = {k: v for k, v in form.compiled.construct_params(params).items() if k not in dict(form.int_lists)}
         if form.order is not None:  # positional (mysqlclient): the list's place is gone from the order
