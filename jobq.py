@@ -4781,9 +4781,11 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     landed: set[tuple[int, str | None]] = set()  # (job, token): one batch may hold two dispatches of a job
     recorded = False  # the landed rows' history rows are written already (with the finish)
     counted: dict[int, int] | None = None  # their dependents' counts, read with the finish
-    if len(fast) > 1:
+    if fast:
         # Fast path: one UPDATE per claim batch (lease token) and up to 500 rows, each row
-        # still fenced by that token; only if some rows were refused, find out which.
+        # still fenced by that token; only if some rows were refused, find out which. A batch
+        # of one takes it too: long jobs finish one at a time, and a statement built for each
+        # (_q_finish) cost 0.35-0.5 ms of client CPU a job to construct and compile.
         by_lease: dict[tuple[str | None, str | None], list[_Outcome]] = {}
         for o in fast:
             by_lease.setdefault((o.owner, o.token), []).append(o)
