@@ -1957,6 +1957,22 @@ def _text_concat(*parts: Any) -> sa.ColumnElement[str]:
     return out
 
 
+#: Wake LISTENing workers at commit (_Dialect.notify), prebuilt: run on the cursor it costs
+#: about half the client CPU of a text() built per call (57 against 105 us on psycopg).
+_Q_NOTIFY = sa.text("SELECT pg_notify(:b_channel, '')").bindparams(sa.bindparam("b_channel", type_=sa.String()))
+
+
+def _q_db_now(now_sql: str) -> sa.TextClause:
+    """The database clock's read (_Dialect.now_sql), built once per text so it runs on the cursor."""
+    stmt = _NOW_READS.get(now_sql)
+    if stmt is None:
+        stmt = _NOW_READS[now_sql] = sa.text(now_sql)
+    return stmt
+
+
+_NOW_READS: dict[str, sa.TextClause] = {}
+
+
 # =============================================================================================
 # Dialect support
 # =============================================================================================
@@ -2117,7 +2133,10 @@ class _Dialect:
         """The database's current time, naive UTC, microsecond precision."""
         if self.now_sql is None:  # embedded: the database's clock is this machine's clock
             return _utcnow()
-        value = conn.exec_driver_sql(self.now_sql).scalar_one()
+        got = _hot_rows(conn, _q_db_now(self.now_sql), {})
+        if len(got) != 1:
+            raise JobqError(f"the database clock's read returned {len(got)} rows")
+        value = got[0][0]
         return value if isinstance(value, _dt.datetime) else _dt.datetime.fromisoformat(str(value))
 
     def pin_index_plans(self, conn: Connection) -> None:
@@ -2157,7 +2176,7 @@ class _Dialect:
         """Wake listening workers when this transaction commits (PostgreSQL only; a rollback
         sends nothing). Polling stays on everywhere, so a lost notification only costs latency."""
         if self.notify_listen and PG_NOTIFY_CHANNEL:
-            conn.execute(sa.text("SELECT pg_notify(:channel, '')"), {"channel": PG_NOTIFY_CHANNEL})
+            _hot_rows(conn, _Q_NOTIFY, {"b_channel": PG_NOTIFY_CHANNEL})
 
     def begin(self, conn: Connection) -> None:
         """Statements that open each jobq transaction (MySQL/MariaDB: its isolation level)."""

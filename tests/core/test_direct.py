@@ -92,6 +92,22 @@ def test_a_worker_running_one_job_at_a_time_finishes_each_on_the_cursor(engine: 
     assert built == []  # nothing built per job
 
 
+@only("postgresql", "mysql", "mariadb")  # SQLite's clock is this machine's, and it has no NOTIFY
+def test_an_enqueue_reads_the_clock_and_wakes_listeners_on_the_cursor(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    real = jobq._on_cursor
+    monkeypatch.setattr(jobq, "_on_cursor", lambda conn, form, params, rows: seen.append(form.stmt) or real(conn, form, params, rows))
+    job_id = jobq.enqueue(engine, "t")
+    d = jobq._prepare(engine)
+    assert d.now_sql is not None and jobq._q_db_now(d.now_sql) in seen
+    assert (jobq._Q_NOTIFY in seen) == d.notify_listen
+    with engine.connect() as conn:
+        now = d.db_now(conn)
+        conn.rollback()
+    created = jobq.get(engine, job_id).created_at.replace(tzinfo=None)
+    assert isinstance(now, dt.datetime) and now.tzinfo is None and created <= now
+
+
 def test_a_drain_without_the_cursor_path_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: every statement through Connection.execute."""
     monkeypatch.setattr(jobq, "_direct", lambda conn: False)
