@@ -108,6 +108,45 @@ def test_an_enqueue_reads_the_clock_and_wakes_listeners_on_the_cursor(engine: sa
     assert isinstance(now, dt.datetime) and now.tzinfo is None and created <= now
 
 
+def _inserted_both_ways(engine: sa.Engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One job row written by _insert_rows (on the cursor where the engine returns ids) and
+    the same row through Connection.execute; both read back without their ids."""
+    plan = jobq._plan([{"type": "t", "args": {"a": [1, "é", None]}, "group_key": "g'1", "priority": 5, "timeout": 2.5,
+                        "max_attempts": 7, "weight": 3}], single=True)
+    d = jobq._prepare(engine)
+    with engine.connect() as conn:
+        now = d.db_now(conn)
+        spec = next(iter(plan.specs.values()))
+        row = jobq._job_row(spec, now, state="ready", pending_deps=0, pending_children=0)
+        (direct,) = jobq._insert_rows(conn, d, [row])
+        executed = conn.execute(jobq._Q_INSERT_JOB, dict(row)).inserted_primary_key[0]
+        got = {r.id: {k: v for k, v in r._mapping.items() if k != "id"} for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_([direct, executed])))}
+        conn.rollback()
+    return got[direct], got[executed]
+
+
+def test_an_enqueued_row_is_the_row_connection_execute_writes(engine: sa.Engine) -> None:
+    direct, executed = _inserted_both_ways(engine)
+    assert direct == executed
+    assert direct["priority"] == 5 and direct["args"] == {"a": [1, "é", None]} and direct["result"] is None
+
+
+@only("sqlite", "postgresql", "mariadb")  # MySQL has no INSERT ... RETURNING: Connection.execute inserts
+def test_an_insert_that_drops_a_column_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKEN: the prebuilt insert leaves out a column the row has (priority falls back to its
+    default, 0)."""
+    real = jobq._q_insert_job_returning
+    monkeypatch.setattr(jobq, "_q_insert_job_returning", lambda d, cols: real(d, tuple(c for c in cols if c != "priority")))
+    direct, executed = _inserted_both_ways(engine)
+    assert direct["priority"] == 0 and executed["priority"] == 5
+
+
+def test_a_statement_that_leaves_a_column_to_its_python_default_is_not_run_on_the_cursor(engine: sa.Engine) -> None:
+    """Connection.execute computes such a default; the cursor would bind None in its place."""
+    assert jobq._direct_form(engine.dialect, sa.insert(jobs).values(type=sa.bindparam("b_type"))) is None
+    assert jobq._direct_form(engine.dialect, jobq._q_insert_job_returning(jobq._prepare(engine), ("type",))) is None
+
+
 def test_a_drain_without_the_cursor_path_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: every statement through Connection.execute."""
     monkeypatch.setattr(jobq, "_direct", lambda conn: False)
