@@ -99,7 +99,7 @@ def test_an_enqueue_reads_the_clock_and_wakes_listeners_on_the_cursor(engine: sa
     monkeypatch.setattr(jobq, "_on_cursor", lambda conn, form, params, rows: seen.append(form.stmt) or real(conn, form, params, rows))
     job_id = jobq.enqueue(engine, "t")
     d = jobq._prepare(engine)
-    assert d.now_sql is not None and jobq._q_db_now(d.now_sql) in seen
+    assert d.now_sql is not None and jobq._q_db_now(d) in seen
     assert (jobq._Q_NOTIFY in seen) == d.notify_listen
     with engine.connect() as conn:
         now = d.db_now(conn)
