@@ -1974,6 +1974,13 @@ def _q_db_now(d: _Dialect) -> sa.TextClause:
     return _prebuilt(d, "db_now", lambda: sa.text(d.now_sql or "SELECT NULL"))
 
 
+def _q_db_now_notify(d: _Dialect) -> sa.TextClause:
+    """_q_db_now and _Q_NOTIFY in one statement (d.notify_listen): an enqueue's first round trip
+    also queues its wake-up."""
+    return _prebuilt(d, "db_now_notify", lambda: sa.text(f"{d.now_sql}, pg_notify(:b_channel, '')").bindparams(
+        sa.bindparam("b_channel", type_=sa.String())))
+
+
 # =============================================================================================
 # Dialect support
 # =============================================================================================
@@ -2130,11 +2137,17 @@ class _Dialect:
         """Shared row locks: upstream rows read by enqueue, so a concurrent finalize waits."""
         return stmt.with_for_update(read=True) if self.row_locks else stmt
 
-    def db_now(self, conn: Connection) -> _dt.datetime:
-        """The database's current time, naive UTC, microsecond precision."""
+    def db_now(self, conn: Connection, *, wake: bool = False) -> _dt.datetime:
+        """The database's current time, naive UTC, microsecond precision. With ``wake``, the
+        same statement also queues :meth:`notify`'s wake-up (one round trip fewer for an
+        enqueue whose jobs are all born ready)."""
         if self.now_sql is None:  # embedded: the database's clock is this machine's clock
             return _utcnow()
-        got = _hot_rows(conn, _q_db_now(self), {})
+        if wake and self._wakes(conn):
+            got = _hot_rows(conn, _q_db_now_notify(self), {"b_channel": PG_NOTIFY_CHANNEL})
+            self._woken(conn)
+        else:
+            got = _hot_rows(conn, _q_db_now(self), {})
         if len(got) != 1:
             raise JobqError(f"the database clock's read returned {len(got)} rows")
         value = got[0][0]
@@ -2176,8 +2189,22 @@ class _Dialect:
     def notify(self, conn: Connection) -> None:
         """Wake listening workers when this transaction commits (PostgreSQL only; a rollback
         sends nothing). Polling stays on everywhere, so a lost notification only costs latency."""
-        if self.notify_listen and PG_NOTIFY_CHANNEL:
+        if self._wakes(conn):
             _hot_rows(conn, _Q_NOTIFY, {"b_channel": PG_NOTIFY_CHANNEL})
+            self._woken(conn)
+
+    def _wakes(self, conn: Connection) -> bool:
+        """A wake-up is still to be queued in this transaction: LISTEN/NOTIFY is on, and this
+        (sub)transaction has not queued one yet. PostgreSQL delivers one notification per channel
+        and payload per transaction however often it is sent, so a second would only cost a
+        round trip; a savepoint rolled back drops its own, and the next one is sent again."""
+        if not (self.notify_listen and PG_NOTIFY_CHANNEL):
+            return False
+        mark = conn.get_nested_transaction() or conn.get_transaction()
+        return mark is None or conn.info.get("jobq_woken") is not mark
+
+    def _woken(self, conn: Connection) -> None:
+        conn.info["jobq_woken"] = conn.get_nested_transaction() or conn.get_transaction()
 
     def begin(self, conn: Connection) -> None:
         """Statements that open each jobq transaction (MySQL/MariaDB: its isolation level)."""
@@ -3616,20 +3643,24 @@ _KEY_RERUNS = 5
 
 def _submit(target: Engine | Connection | orm.Session, plan: _Plan) -> dict[str, int]:
     keyed = any(sp.unique_key is not None for sp in plan.specs.values())
+    # Every job born ready (no upstreams, no container, not one): the clock's read also queues
+    # the wake-up _insert_new would send (_Dialect.db_now). Items a unique key turns away still
+    # wake the listeners once, for nothing: a claim that finds no work, never a lost job.
+    ready = all(not sp.depends_on and sp.parent is None and not sp.container for sp in plan.specs.values())
     for _ in range(_KEY_RERUNS):
         try:
             if isinstance(target, Engine):
                 # No retry on a connection lost during COMMIT (_transaction): it may have landed,
                 # and a second insert would duplicate the jobs. Deadlocks and SQLITE_BUSY rolled
                 # back for sure.
-                return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn)))
+                return _transaction(target, lambda conn, d: _insert_graph(conn, d, plan, d.db_now(conn, wake=ready)))
             d = _prepare(_engine_of(target))
             conn = _target_connection(target)  # type: ignore[arg-type]
             if not keyed:
-                return _insert_graph(conn, d, plan, d.db_now(conn))
+                return _insert_graph(conn, d, plan, d.db_now(conn, wake=ready))
             # In the caller's transaction, a lost race on a key must undo only our own writes.
             with conn.begin_nested():
-                return _insert_graph(conn, d, plan, d.db_now(conn))
+                return _insert_graph(conn, d, plan, d.db_now(conn, wake=ready))
         except _KeyTaken:
             continue
     raise JobqError(f"unique_key: the keys were taken by concurrent transactions {_KEY_RERUNS} times in a row")
