@@ -113,7 +113,7 @@ def test_harness_catches_a_worker_on_the_machines_clock(engine: sa.Engine, diale
     """BROKEN: jobq reading this machine's clock instead of the database's. Forward, B sees
     A's live lease as expired and re-runs J1; back, B's fresh lease on J2 is expired on
     arrival (A reclaims it and postpones J2 by the jump). The checker must see either."""
-    monkeypatch.setattr(jobq._Dialect, "db_now", lambda self, conn: jobq._utcnow())
+    monkeypatch.setattr(jobq._Dialect, "db_now", lambda self, conn, **kw: jobq._utcnow())
     o = _run(engine, hours)
     REPORT.append(f"wall clock {hours:+d} h {dialect} (BROKEN machine clock): J1 runs {o['j1_runs']}, "
                   f"J2 lease left {o['j2_lease_left']} s, states {o['states']}")
