@@ -363,7 +363,13 @@ class Job(Base):
         # planners can prove the index applies (SQLite cannot match "in_flight" to "in_flight = 1").
         _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = true", sqlite_where="in_flight = 1"),
         _mysql_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
-        sa.Index("ix_jobs_parent", "parent_id"),
+        # Children by their container. Partial where possible (replacing a full index on every start:
+        # _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
+        # finish of such a job wrote an index entry for its NULL (a state change is no HOT update).
+        # Every query names a parent (``parent_id = x`` or ``IN``), which the planners prove
+        # implies the predicate. MySQL/MariaDB's index moves only when parent_id does.
+        _partial_index("ix_jobs_children", "parent_id", where="parent_id IS NOT NULL"),
+        _mysql_index("ix_jobs_parent", "parent_id"),
         # Retention's scan (prune): finished rows by age. Partial where possible, so the hot
         # transitions between ready, leased and running never touch it (schema 2; a full
         # (state, finished_at) index took a new entry on every claim and lured PostgreSQL's
@@ -528,6 +534,7 @@ _Q_SET_SCHEMA_VERSION = (
 )
 _DDL_STARTS_N = sa.DDL("ALTER TABLE jobq_starts ADD COLUMN n INTEGER DEFAULT 1 NOT NULL")
 _DDL_DROP_STATE_FINISHED = sa.DDL("DROP INDEX ix_jobs_state_finished")
+_DDL_DROP_PARENT_INDEX = sa.DDL("DROP INDEX ix_jobs_parent")  # PostgreSQL/SQLite (_rekey_parent_index)
 _DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
 _DDL_PRIORITY = sa.DDL("ALTER TABLE jobs ADD COLUMN priority INTEGER DEFAULT 0 NOT NULL")
 _DDL_SPAWNED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN spawned_by BIGINT")
@@ -573,6 +580,8 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
         # Checked on every start (one catalogue read), with no version of its own, like the
         # parent key below: a jobq.py of before reads the re-keyed indexes as well.
         _rekey_mysql_indexes(conn)
+    else:
+        _rekey_parent_index(conn)  # the same: on every start, no version of its own
     if not d.parent_fk:
         # Checked on every start (one catalogue read), with no version of its own: a jobq.py
         # that predates it works as well without the key, and never creates it again.
@@ -640,6 +649,20 @@ def _rekey_mysql_indexes(conn: Connection) -> None:
     for name in ("ix_jobs_finished_my", "ix_jobs_held_my"):
         if name not in found:
             next(i for i in _jobs.indexes if i.name == name).create(conn)
+
+
+def _rekey_parent_index(conn: Connection) -> None:
+    """PostgreSQL/SQLite: replace the index of every row's parent_id (``ix_jobs_parent``, made
+    by every jobq.py before this one) by its partial successor ``ix_jobs_children``, made
+    first. The full index took an entry for each parentless job at every claim and every
+    finish on PostgreSQL. A jobq.py of before never makes it again on an existing table
+    (create_all skips the indexes of a table that exists), and reads the new one as well."""
+    names = {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}
+    if "ix_jobs_children" not in names:
+        next(i for i in _jobs.indexes if i.name == "ix_jobs_children").create(conn)
+    if "ix_jobs_parent" in names:
+        conn.execute(_DDL_DROP_PARENT_INDEX)
+        logger.info("jobq: dropped the index ix_jobs_parent (replaced by the partial ix_jobs_children)")
 
 
 def _drop_parent_fk(conn: Connection) -> None:

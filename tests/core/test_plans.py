@@ -286,3 +286,53 @@ def test_the_json_window_read_walks_the_ready_index_per_group(engine: sa.Engine)
     assert "ix_jobs_ready" not in bad, bad  # the broken variant is caught by the check above
     with pytest.raises(AssertionError, match="SCAN jobs"):
         _check("broken window", bad)
+
+
+#: Every lookup by container: children found, locked, counted, cancelled, and prune's check
+#: that a finished job has no child left. Each names a parent (= or IN).
+BY_PARENT = {
+    "child ids": lambda e: jobq._q_child_ids(5),
+    "child states": lambda e: jobq._q_child_states(5),
+    "children of": lambda e: jobq._q_children_of([5, 6]),
+    "open children": lambda e: jobq._q_open_children([5, 6]),
+    "open children, locked": lambda e: jobq._q_lock_open_children(_d(e), [5, 6]),
+    "unstarted children": lambda e: jobq._q_unstarted_children([5, 6]),
+    "waiting children": lambda e: jobq._q_waiting_children([5, 6]),
+    "withdrawn cancels": lambda e: jobq._q_withdraw_cancel(5),
+    "prune's no-child check": lambda e: jobq._q_prunable(["done"], NOW, 100),
+}
+
+
+def _check_by_parent(name: str, plan: str) -> None:
+    # The children index, or (the waiting children) the partial index of waiting rows; never
+    # a walk of the table. A step on jobs (or its aliases) that scans without an index fails.
+    assert "ix_jobs_children" in plan or (name == "waiting children" and "ix_jobs_waiting" in plan), f"{name}: {plan}"
+    assert "Seq Scan on jobs" not in plan, f"{name}: {plan}"
+    for step in plan.split(" | "):
+        assert not (step.startswith("SCAN ") and "INDEX" not in step), f"{name}: {plan}"
+
+
+@only("sqlite", "postgresql")  # the engines with partial indexes
+def test_lookups_by_parent_use_the_partial_children_index(engine: sa.Engine) -> None:
+    """ix_jobs_children holds only the rows that have a parent (most jobs have none, and on
+    PostgreSQL each claim and finish of such a job wrote an entry for its NULL into the full
+    index before). Every lookup by parent must still be planned on it: the planners have to
+    prove ``parent_id IS NOT NULL`` from the query's ``parent_id = x`` or ``IN``."""
+    names = {i["name"] for i in sa.inspect(engine).get_indexes("jobs")}
+    assert "ix_jobs_children" in names and "ix_jobs_parent" not in names, names
+    for name, build in BY_PARENT.items():
+        _check_by_parent(name, _plans(engine, build(engine)))
+
+
+@only("sqlite", "postgresql")
+def test_a_children_index_the_lookups_cannot_use_is_caught(engine: sa.Engine) -> None:
+    """BROKEN variant: the children index with a predicate no lookup implies (the held index's,
+    pasted). The planners cannot use it, and the check above fails for the lookups."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP INDEX ix_jobs_children")
+        conn.exec_driver_sql("CREATE INDEX ix_jobs_children ON jobs (parent_id) WHERE spawned_by IS NOT NULL")
+    for name, build in BY_PARENT.items():
+        if name == "waiting children":
+            continue  # answered by ix_jobs_waiting either way
+        with pytest.raises(AssertionError):
+            _check_by_parent(name, _plans(engine, build(engine)))

@@ -180,3 +180,25 @@ def test_state_led_indexes_of_before_are_rekeyed_in_place(engine: sa.Engine, dia
             top = next(r for r in plan if r["table"] == "jobs")
             assert top["key"] == want, f"{sql}\n{plan}"
     assert jobq.prune(engine, dt.timedelta(hours=32)) == 80  # finished 32 h 0.5 min to 33 h 19.5 min before the test's clock
+
+
+@only("sqlite", "postgresql")
+def test_the_full_parent_index_of_before_is_replaced_by_the_partial_one(engine: sa.Engine) -> None:
+    """A database made by an earlier jobq has ix_jobs_parent over every row. create_schema
+    (twice: idempotent) makes the partial ix_jobs_children and drops the full index, and
+    lookups by parent still work (a container's cancel reaches its children). The bug: both
+    indexes kept (every parentless claim and finish still writes the full one), or the old one
+    dropped before the new one exists."""
+    with engine.begin() as conn:  # as every create_schema before this made it
+        conn.exec_driver_sql("DROP INDEX ix_jobs_children")
+        conn.exec_driver_sql("CREATE INDEX ix_jobs_parent ON jobs (parent_id)")
+    box = jobq.enqueue(engine, "box", container=True)
+    kids = [jobq.enqueue(engine, "t", parent=box) for _ in range(3)]
+    loose = jobq.enqueue(engine, "t")
+    jobq.create_schema(engine)
+    jobq.create_schema(engine)
+    names = {i["name"] for i in sa.inspect(engine).get_indexes("jobs")}
+    assert "ix_jobs_children" in names and "ix_jobs_parent" not in names, names
+    jobq.cancel(engine, box)
+    assert {jobq.get(engine, k).state for k in kids} == {"cancelled"}  # type: ignore[union-attr]
+    assert jobq.get(engine, loose).state == "ready"  # type: ignore[union-attr]
