@@ -1614,7 +1614,8 @@ def _q_claim_lock_value(pin: bool) -> sa.Select[Any]:
 
 
 #: PostgreSQL's planner settings for the rest of a claim's transaction (_Dialect.pin_index_plans).
-_PIN_SETTINGS = (sa.func.set_config("enable_seqscan", "off", sa.true()), sa.func.set_config("jit", "off", sa.true()))
+_PIN_SETTINGS = (sa.func.set_config("enable_seqscan", "off", sa.true()), sa.func.set_config("enable_bitmapscan", "off", sa.true()),
+                 sa.func.set_config("jit", "off", sa.true()))
 _Q_PIN_PLANS = sa.select(*_PIN_SETTINGS)
 _Q_CLAIM_LOCK_VALUE_PIN = _Q_CLAIM_LOCK_VALUE.add_columns(*_PIN_SETTINGS)
 
@@ -2181,7 +2182,10 @@ class _Dialect:
         """PostgreSQL: for the rest of this transaction, plan with indexes only where an index
         exists. Every claim-side query is written for a small partial index, but statistics
         taken at the wrong moment of a high-churn table (e.g. while many jobs were in flight)
-        made the planner read the whole table instead, on every tick. JIT goes off with it:
+        made the planner read the whole table instead, on every tick. Bitmap scans go off too:
+        only an index(-only) scan marks the dead entries it meets (every finished job leaves one
+        in ix_jobs_in_flight until vacuum), so the next tick's count skips them; a bitmap scan
+        visited them all again, every tick (1 ms a tick mid-drain). JIT goes off with it:
         a disabled seq scan is costed so high that JIT compilation (about 100 ms) would start
         on every tick. Once per transaction."""
         if self.pin_wanted(conn):
