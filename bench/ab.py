@@ -1,4 +1,4 @@
-"""jobq benchmark, "ab" mode: the working tree's jobq.py against a git revision's, one process.
+"""jobq benchmark, "ab" mode: the working tree's jobq.py against a git revision's, alternating.
 
 Loads ``jobq.py`` as it is in the working tree and as it was at ``--rev`` (``git show``) side by
 side in one process, and alternates their drains of the same no-op jobs (one ``Worker``,
@@ -7,8 +7,15 @@ drift falls on both alike. Prints each side's median jobs/s and client CPU per j
 process's user + system time over the drain, seeding excluded) and new/old. What one change
 bought, where bench.py's drains compare contenders.
 
+With ``--procs N`` each drain is N worker processes instead (spawned, each loading its side's
+jobq.py; ``--concurrency`` slots each under a cap of N times that, as bench.py's drains), for a
+change that acts across workers (the claim lock's hold, say); client CPU is then the workers'.
+On a machine that drifts by a third between runs, only such paired runs separate a 10% change
+from noise.
+
 Run:
     python bench/ab.py --url postgresql+psycopg://postgres@127.0.0.1/test --rev HEAD~1
+    python bench/ab.py --url ... --rev HEAD~1 --procs 2
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import multiprocessing as mp
 import pathlib
 import statistics
 import subprocess
@@ -23,6 +31,7 @@ import sys
 import tempfile
 import time
 from types import ModuleType
+from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -64,6 +73,48 @@ def _drain(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]
     return n / elapsed, cpu / n * 1e6
 
 
+def _proc(path: str, url: str, conc: int, cap: int, ready: Any, go: Any, out: Any) -> None:
+    """One worker process of a ``--procs`` drain, on the jobq.py at ``path``."""
+    jobq = _load("jobq_side", pathlib.Path(path))
+    eng = sa.create_engine(url)
+    w = jobq.Worker(eng, {"noop": B._noop}, max_concurrency=cap, local_concurrency=conc, poll_interval=0.05,
+                    lease_ttl=60)
+    ready.set()
+    go.wait()
+    cpu0 = B._cpu()  # the drain's own CPU, not the interpreter's start and the imports
+    ok = w.run_until_idle(timeout=600)
+    out.put((ok, B._cpu() - cpu0))
+
+
+def _drain_procs(jobq: ModuleType, path: str, url: str, n: int, conc: int, procs: int) -> tuple[float, float]:
+    """(jobs/s, client CPU µs per job) of one drain by ``procs`` worker processes, ``conc``
+    slots each under a cap of ``conc * procs`` (as bench.py's drains), on the jobq.py at
+    ``path`` (``jobq``: the same module, loaded here, which makes the schema)."""
+    eng = sa.create_engine(url)
+    jobq.Base.metadata.drop_all(eng)
+    jobq.create_schema(eng)
+    B.seed(eng, n)
+    eng.dispose()
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(procs)]
+    workers = [ctx.Process(target=_proc, args=(path, url, conc, conc * procs, readies[i], go, out))
+               for i in range(procs)]
+    for p in workers:
+        p.start()
+    for r in readies:
+        r.wait()
+    t0 = time.perf_counter()
+    go.set()
+    got = [out.get() for _ in workers]
+    elapsed = time.perf_counter() - t0
+    for p in workers:
+        p.join()
+    if not all(ok for ok, _cpu in got):
+        raise RuntimeError("a worker process did not finish the drain")
+    return n / elapsed, sum(cpu for _ok, cpu in got) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="sqlite:////dev/shm/jobq_ab.db")
@@ -71,6 +122,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--procs", type=int, default=0,
+                    help="worker processes (each --concurrency slots, as bench.py's drains); 0: one Worker in this process")
     args = ap.parse_args()
     source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:jobq.py"], capture_output=True, text=True,
                             check=True).stdout
@@ -78,14 +131,18 @@ def main() -> None:
         path = pathlib.Path(tmp) / "jobq_old.py"
         path.write_text(source)
         sides = {"old": _load("jobq_old", path), "new": B.jobq}
+        paths = {"old": str(path), "new": str(ROOT / "jobq.py")}
         got: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
         for i in range(args.rounds):
             for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
-                got[name].append(_drain(sides[name], args.url, args.jobs, args.concurrency))
+                got[name].append(
+                    _drain_procs(sides[name], paths[name], args.url, args.jobs, args.concurrency, args.procs)
+                    if args.procs else _drain(sides[name], args.url, args.jobs, args.concurrency))
                 rate, cpu = got[name][-1]
                 print(f"  round {i + 1} {name}: {rate:,.0f} jobs/s, {cpu:.1f} µs CPU/job", flush=True)
     med = {k: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v)) for k, v in got.items()}
-    print(f"{args.rev} → working tree, {args.jobs:,} jobs, {args.concurrency} slots, medians of {args.rounds}:")
+    shape = f"{args.procs} processes x {args.concurrency} slots" if args.procs else f"{args.concurrency} slots"
+    print(f"{args.rev} → working tree, {args.jobs:,} jobs, {shape}, medians of {args.rounds}:")
     for k in ("old", "new"):
         print(f"  {k}: {med[k][0]:,.0f} jobs/s, {med[k][1]:.1f} µs CPU/job")
     print(f"  new/old: {med['new'][0] / med['old'][0]:.2f}x jobs/s, {med['new'][1] / med['old'][1]:.2f}x CPU/job")
