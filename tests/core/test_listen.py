@@ -120,7 +120,9 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
         assert killed == 1
         jid = jobq.enqueue(engine, "t")  # during the gap: caught by the re-LISTEN poll or by polling
         wait_for(lambda: jid in started.at, timeout=10, what="the job enqueued while the listener was down")
-        wait_for(lambda: any("listener" in (e.error or "") for e in events), timeout=5, what="the listener to report the cut")
+        # Reported within half a second (the listener waits 0.5 s at a time); the bound is for a
+        # loaded machine only: 5 s ran out once in CI with benchmarks running beside it.
+        wait_for(lambda: any("listener" in (e.error or "") for e in events), timeout=30, what="the listener to report the cut")
         old = jobq.PG_NOTIFY_CHANNEL  # a job that arrives with no notification at all
         try:
             jobq.PG_NOTIFY_CHANNEL = None
