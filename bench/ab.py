@@ -23,19 +23,19 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import multiprocessing as mp
 import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import sqlalchemy as sa
+import throughput as T  # its process harness: start signal, drain CPU, failed processes
 
 import bench as B  # imports the working tree's jobq
 
@@ -73,17 +73,18 @@ def _drain(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]
     return n / elapsed, cpu / n * 1e6
 
 
-def _proc(path: str, url: str, conc: int, cap: int, ready: Any, go: Any, out: Any) -> None:
-    """One worker process of a ``--procs`` drain, on the jobq.py at ``path``."""
+def _setup_side(path: str, url: str, conc: int, cap: int) -> Callable[[], None]:
+    """One worker process of a ``--procs`` drain, on the jobq.py at ``path``: its Worker, made
+    before the start signal (throughput._run_procs), and the drain to run after it."""
     jobq = _load("jobq_side", pathlib.Path(path))
-    eng = sa.create_engine(url)
-    w = jobq.Worker(eng, {"noop": B._noop}, max_concurrency=cap, local_concurrency=conc, poll_interval=0.05,
-                    lease_ttl=60)
-    ready.set()
-    go.wait()
-    cpu0 = B._cpu()  # the drain's own CPU, not the interpreter's start and the imports
-    ok = w.run_until_idle(timeout=600)
-    out.put((ok, B._cpu() - cpu0))
+    w = jobq.Worker(sa.create_engine(url), {"noop": B._noop}, max_concurrency=cap, local_concurrency=conc,
+                    poll_interval=0.05, lease_ttl=60)
+
+    def drain() -> None:
+        if not w.run_until_idle(timeout=600):
+            raise RuntimeError("the drain did not finish")
+
+    return drain
 
 
 def _drain_procs(jobq: ModuleType, path: str, url: str, n: int, conc: int, procs: int) -> tuple[float, float]:
@@ -95,24 +96,8 @@ def _drain_procs(jobq: ModuleType, path: str, url: str, n: int, conc: int, procs
     jobq.create_schema(eng)
     B.seed(eng, n)
     eng.dispose()
-    ctx = mp.get_context("spawn")
-    go, out = ctx.Event(), ctx.Queue()
-    readies = [ctx.Event() for _ in range(procs)]
-    workers = [ctx.Process(target=_proc, args=(path, url, conc, conc * procs, readies[i], go, out))
-               for i in range(procs)]
-    for p in workers:
-        p.start()
-    for r in readies:
-        r.wait()
-    t0 = time.perf_counter()
-    go.set()
-    got = [out.get() for _ in workers]
-    elapsed = time.perf_counter() - t0
-    for p in workers:
-        p.join()
-    if not all(ok for ok, _cpu in got):
-        raise RuntimeError("a worker process did not finish the drain")
-    return n / elapsed, sum(cpu for _ok, cpu in got) / n * 1e6
+    elapsed, cpu = T._run_procs(_setup_side, (path, url, conc, conc * procs), procs)
+    return n / elapsed, cpu / n * 1e6
 
 
 def main() -> None:
