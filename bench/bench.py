@@ -5,7 +5,9 @@ Run:
     python bench/bench.py --url postgresql+psycopg://postgres@127.0.0.1/test --jobs 20000
 
 Prints the drain table of bench/throughput.py (jobq, the DBAPI ceiling and the peers, 1, 2 and
-4 worker processes, alternating, medians), then enqueue throughput (single and bulk),
+4 worker processes, alternating, medians) and, under it, each throughput target met or not in
+this run; then what each guarantee costs a drain (bench/guarantees.py: jobq with each left
+out, beside the ceiling); then enqueue throughput (single and bulk),
 a DAG submit, enqueue->start latency with polling, tick time on a near-empty table versus one
 holding many done and blocked rows, and worker peak RSS after N and 10N jobs.
 """
@@ -178,7 +180,7 @@ def bulk_history(eng: sa.Engine, done: int, blocked: int) -> None:
             conn.exec_driver_sql("ANALYZE jobs")
 
 
-SECTIONS = ("drain", "enqueue", "latency", "tick", "rss")
+SECTIONS = ("drain", "guarantees", "enqueue", "latency", "tick", "rss")
 
 
 def main() -> None:
@@ -216,7 +218,18 @@ def main() -> None:
                                  only=set(ns.contenders.split(",")) if ns.contenders else None,
                                  conc=ns.concurrency)
         side_by_side = throughput.table(res, procs)
+        side_by_side += ["", "Targets, this run:", "", *throughput.targets(res, procs)]
         print("\n".join(side_by_side), flush=True)
+
+    if "guarantees" in only:
+        # What each guarantee, and the handler threads, cost one process's drain: jobq patched
+        # to leave each out (bench/guarantees.py), beside the ceiling, alternating.
+        import guarantees
+
+        got = guarantees.measure(url, ns.jobs, ns.rounds, conc=ns.concurrency)
+        costs = [f"What the guarantees cost ({ns.concurrency} slots, one process, medians of {ns.rounds}):", "",
+                 *guarantees.table(got)]
+        print("\n".join(costs), flush=True)
 
     if "enqueue" in only:
         eng = fresh(url)
@@ -280,6 +293,8 @@ def main() -> None:
     print()
     if "drain" in only:
         print("\n".join(side_by_side) + "\n")
+    if "guarantees" in only:
+        print("\n".join(costs) + "\n")
     width = max((len(a) for a, _ in rows), default=0)
     for a, b in rows:
         print(f"{a:<{width}}  {b}")

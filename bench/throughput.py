@@ -59,6 +59,7 @@ import bench as B
 
 PEER_MISSING: dict[str, str] = {}
 FAILED: dict[tuple[str, int], int] = {}  # (contender, processes) -> runs that raised
+Results = dict[tuple[str, int], list[tuple[float, float]]]  # (contender, processes) -> [(jobs/s, CPU µs a job)]
 
 
 # -- the DBAPI ceiling --------------------------------------------------------------------------
@@ -519,12 +520,12 @@ def contenders(url: str, peer_url: str | None, want: set[str] | None, conc: int 
 
 def measure(url: str, n: int, procs: tuple[int, ...], rounds: int, peer_url: str | None = None,
             only: set[str] | None = None, log: Callable[[str], None] = print,
-            conc: int = 64) -> dict[tuple[str, int], list[tuple[float, float]]]:
+            conc: int = 64) -> Results:
     """Drain `n` jobs with each contender and process count, `rounds` times, alternating
     (jobq with `conc` slots per process). Returns {(contender, processes): [(jobs/s, CPU µs
     per job), ...]}."""
     cs = contenders(url, peer_url, only, conc)
-    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    results: Results = {}
     for r in range(rounds):
         for p in procs:
             order = cs[r % len(cs):] + cs[:r % len(cs)]
@@ -542,10 +543,15 @@ def measure(url: str, n: int, procs: tuple[int, ...], rounds: int, peer_url: str
     return results
 
 
-def table(results: dict[tuple[str, int], list[tuple[float, float]]], procs: tuple[int, ...]) -> list[str]:
+def _medians(results: Results) -> dict[tuple[str, int], tuple[float, float, int]]:
+    """(contender, processes) -> (median jobs/s, median client CPU µs a job, runs)."""
+    return {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v), len(v))
+            for k, v in results.items()}
+
+
+def table(results: Results, procs: tuple[int, ...]) -> list[str]:
     """Markdown rows: jobs/s (median), ratio to the ceiling and to each peer, CPU per job."""
-    med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v), len(v))
-           for k, v in results.items()}
+    med = _medians(results)
     names = list(dict.fromkeys(k[0] for k in results))
     head = "| contender | " + " | ".join(f"{p} process{'es' if p > 1 else ''}" for p in procs) + " |"
     lines = [head, "| --- |" + " --- |" * len(procs)]
@@ -586,4 +592,52 @@ def table(results: dict[tuple[str, int], list[tuple[float, float]]], procs: tupl
     runs = sorted({v[2] for v in med.values()})
     lines.append(f"\n(medians of {'/'.join(map(str, runs))} alternating runs)")
     lines += [f"\n{m}" for m in PEER_MISSING.values()]
+    return lines
+
+
+# -- the targets --------------------------------------------------------------------------------
+
+#: The throughput targets (bench/README.md): jobq at least this many times PGQueuer tuned with 1
+#: and 2 worker processes (PostgreSQL), at least this share of the DBAPI ceiling, and at most this
+#: much client CPU a no-op job, at every process count.
+PEER_TARGET = 1.5
+PEER_TARGET_PROCS = (1, 2)
+CEILING_TARGET = 0.5
+CPU_TARGET_US = 30.0
+
+
+def targets(results: Results, procs: tuple[int, ...]) -> list[str]:
+    """Markdown rows: each target, per process count, with this run's figure and "met" or
+    "**not met**" (a cell the target does not ask for, or that this run has no figure for,
+    says so). jobq's contenders are `jobq` and, where it ran, `jobq-250`."""
+    med = _medians(results)
+    head = "| target | " + " | ".join(f"{p} process{'es' if p > 1 else ''}" for p in procs) + " |"
+    lines = [head, "| --- |" + " --- |" * len(procs)]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    for name in (n for n in ("jobq", "jobq-250") if any((n, p) in med for p in procs)):
+        if any(("pgqueuer-tuned", p) in med for p in procs):
+            cells = []
+            for p in procs:
+                a, b = med.get((name, p)), med.get(("pgqueuer-tuned", p))
+                if a is None or b is None:
+                    cells.append("–")
+                    continue
+                r = a[0] / b[0]
+                cells.append(f"{r:.2f}× " + (verdict(r >= PEER_TARGET) if p in PEER_TARGET_PROCS else "(not asked)"))
+            lines.append(f"| {name} ≥ {PEER_TARGET}× pgqueuer-tuned ({', '.join(map(str, PEER_TARGET_PROCS))} "
+                         f"processes) | " + " | ".join(cells) + " |")
+        cells = []
+        for p in procs:
+            a, ceil = med.get((name, p)), med.get(("ceiling", p))
+            cells.append("–" if a is None or ceil is None else
+                         f"{a[0] / ceil[0]:.2f}× {verdict(a[0] / ceil[0] >= CEILING_TARGET)}")
+        lines.append(f"| {name} ≥ {CEILING_TARGET}× ceiling | " + " | ".join(cells) + " |")
+        cells = []
+        for p in procs:
+            a = med.get((name, p))
+            cells.append("–" if a is None else f"{a[1]:,.0f} µs {verdict(a[1] <= CPU_TARGET_US)}")
+        lines.append(f"| {name} ≤ {CPU_TARGET_US:.0f} µs client CPU a job | " + " | ".join(cells) + " |")
     return lines
