@@ -617,8 +617,15 @@ def targets(results: Results, procs: tuple[int, ...]) -> list[str]:
     def verdict(ok: bool) -> str:
         return "met" if ok else "**not met**"
 
+    peer = any(("pgqueuer-tuned", p) in med for p in procs)
+    if peer and any(("ceiling", p) in med for p in procs):
+        # For reference: the DBAPI loop itself (one connection, batches of 50, no cap) against
+        # PGQueuer tuned. Where this is under 1.5x, the target asks jobq to beat the ceiling.
+        cells = [f"{a[0] / b[0]:.2f}×" if (a := med.get(("ceiling", p))) and (b := med.get(("pgqueuer-tuned", p)))
+                 else "–" for p in procs]
+        lines.append("| (reference) ceiling / pgqueuer-tuned | " + " | ".join(cells) + " |")
     for name in (n for n in ("jobq", "jobq-250") if any((n, p) in med for p in procs)):
-        if any(("pgqueuer-tuned", p) in med for p in procs):
+        if peer:
             cells = []
             for p in procs:
                 a, b = med.get((name, p)), med.get(("pgqueuer-tuned", p))

@@ -41,6 +41,7 @@ def test_each_target_is_met_exactly_at_its_bound_and_missed_just_past_it(through
     lines = throughput.targets(res, (1, 2, 4))
     assert _cells(lines, "jobq ≥ 1.5× pgqueuer-tuned (1, 2 processes)") == [
         "1.49× **not met**", "1.50× met", "1.00× (not asked)"]
+    assert _cells(lines, "(reference) ceiling / pgqueuer-tuned") == ["2.00×", "2.00×", "2.00×"]
     assert _cells(lines, "jobq ≥ 0.5× ceiling") == ["0.74× met", "0.75× met", "0.50× **not met**"]
     assert _cells(lines, "jobq ≤ 30 µs client CPU a job") == ["30 µs met", "30 µs **not met**", "10 µs met"]
     assert not any("jobq-250" in line for line in lines)  # no rows for a contender that did not run
@@ -49,7 +50,7 @@ def test_each_target_is_met_exactly_at_its_bound_and_missed_just_past_it(through
 def test_a_run_without_a_peer_or_a_figure_says_so_instead_of_judging(throughput: ModuleType) -> None:
     res = {("ceiling", 1): [(100.0, 5.0)], ("jobq", 1): [(60.0, 20.0)], ("jobq-250", 2): [(80.0, 12.0)]}
     lines = throughput.targets(res, (1, 2))
-    assert not any("pgqueuer" in line for line in lines)  # SQLite, MySQL: no PGQueuer target
+    assert not any("pgqueuer" in line for line in lines)  # SQLite, MySQL: no PGQueuer target, no reference
     assert _cells(lines, "jobq ≥ 0.5× ceiling") == ["0.60× met", "–"]
     assert _cells(lines, "jobq-250 ≥ 0.5× ceiling") == ["–", "–"]  # no ceiling figure for 2
     assert _cells(lines, "jobq-250 ≤ 30 µs client CPU a job") == ["–", "12 µs met"]
