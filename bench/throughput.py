@@ -14,8 +14,9 @@ Contenders, per engine:
   DAG bookkeeping, no heartbeats, no dispatch to threads.
 * `jobq`: `Worker(local_concurrency=64, max_concurrency=64 x processes).run_until_idle()`: 64
   slots per process under a global cap of 64 per process, defaults otherwise.
-* PostgreSQL, `jobq-250`: the same with 250 slots per process, the most jobs PGQueuer tuned holds
-  in flight per process (5 queue managers x batch 50): the two at the same capacity.
+* `jobq-250`: the same with 250 slots per process, the most jobs PGQueuer tuned holds in flight
+  per process (5 queue managers x batch 50): on PostgreSQL the two at the same capacity, on
+  every engine what a tick's fixed cost comes to when more jobs share it.
 * PostgreSQL, pipelined ceilings: the ceiling's work in jobq's tick shape (one transaction
   finalizes the previous batch and claims the next), run by threads on their own connections in
   each process. `ceiling-5conn`: 5 connections, as PGQueuer tuned runs 5 queue managers, and no
@@ -500,9 +501,10 @@ def contenders(url: str, peer_url: str | None, want: set[str] | None, conc: int 
     if fam == "postgresql" and _installed("pgqueuer") and _installed("asyncpg") and _installed("uvloop"):
         out.append(Contender("pgqueuer-tuned", _pgq_seed, _setup_pgq, (5, 50, True)))
         out.append(Contender("pgqueuer-defaults", _pgq_seed, _setup_pgq, (1, 10, False)))
-        # jobq with PGQueuer tuned's capacity: 5 queue managers x batch 50 = up to 250 jobs in
-        # flight per process, where `jobq` has 64 slots.
-        out.append(Contender("jobq-250", _jobq_seed, _setup_jobq, (_PGQ_TUNED_IN_FLIGHT,)))
+    # jobq with PGQueuer tuned's capacity: 5 queue managers x batch 50 = up to 250 jobs in flight
+    # per process, where `jobq` has 64 slots. On every engine: what a tick's fixed cost (its
+    # statements, its commit) comes to when it is shared by more jobs.
+    out.append(Contender("jobq-250", _jobq_seed, _setup_jobq, (_PGQ_TUNED_IN_FLIGHT,)))
     if fam == "postgresql":
         # What the global cap costs a queue that pipelines like PGQueuer tuned: the ceiling on 5
         # connections per process, without and with the cap's serialised claim.
