@@ -1707,20 +1707,22 @@ def _q_finish_batch_same(d: _Dialect) -> sa.Update:
     ))
 
 
-def _q_finish_recorded(d: _Dialect) -> sa.CompoundSelect:
-    """_q_finish_batch_same, _q_record_done and _q_dependent_counts as one statement (d.dml_ctes),
-    same parameters plus ``b_worker``: a row (None, rows finished), then (dependent, how many of
-    ``b_ids`` it depends on). Keep in sync with the three."""
-    def build() -> sa.CompoundSelect:
+def _q_finish_recorded(d: _Dialect) -> sa.Select[Any]:
+    """_q_finish_batch_same and _q_record_done as one statement (d.dml_ctes), same parameters
+    plus ``b_worker``: one row, the rows finished. Keep in sync with the two.
+
+    The dependents' count is not in it: a statement reads with one snapshot, taken before its
+    UPDATE waits for an enqueue's share lock on a finishing job, so it missed the dependency
+    row that enqueue committed, and the dependent waited forever (_settle counts them in a
+    statement of its own, after this one)."""
+    def build() -> sa.Select[Any]:
         fin = _q_finish_batch_same(d).returning(_c.id, _c.attempts, _c.started_at).cte("fin")
         rec = sa.insert(_attempts).from_select(
             ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"],
             sa.select(fin.c.id, fin.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), fin.c.started_at,
                       sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null()),
         ).returning(_attempts.c.job_id).cte("rec")
-        landed = sa.select(sa.cast(sa.null(), sa.BigInteger).label("job_id"),
-                           sa.select(sa.func.count()).select_from(rec).scalar_subquery().label("n"))
-        return sa.union_all(landed, _q_dependent_counts(d))
+        return sa.select(sa.select(sa.func.count()).select_from(rec).scalar_subquery().label("n"))
     return _prebuilt(d, "finish_recorded", build)
 
 
@@ -4873,7 +4875,6 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     fast = [o for o in outcomes if o.kind == "done" and o.owner is not None and o.token is not None]
     landed: set[tuple[int, str | None]] = set()  # (job, token): one batch may hold two dispatches of a job
     recorded = False  # the landed rows' history rows are written already (with the finish)
-    counted: dict[int, int] | None = None  # their dependents' counts, read with the finish
     if fast:
         # Fast path: one UPDATE per claim batch (lease token) and up to 500 rows, each row
         # still fenced by that token; only if some rows were refused, find out which. A batch
@@ -4887,17 +4888,15 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
             for part in _chunks(group):
                 stmt, params = _q_finish_batch(d, part, owner, token, now)
                 if params is not None and d.dml_ctes and len(part) == len(outcomes):
-                    # The whole batch is one statement: finish, history and dependents in one round trip.
-                    got = _hot_rows(conn, _q_finish_recorded(d), {**params, "b_worker": owner})
-                    n += next(k for j, k in got if j is None)
-                    recorded, counted = True, {j: k for j, k in got if j is not None}
+                    # The whole batch is one statement: finish and history in one round trip.
+                    n += _hot_rows(conn, _q_finish_recorded(d), {**params, "b_worker": owner})[0][0]
+                    recorded = True
                 else:
                     n += _hot_rowcount(conn, stmt, params)
         ids = [o.job_id for o in fast]
         if n == len(fast):
             landed = {(o.job_id, o.token) for o in fast}
         else:  # rows these statements finished carry exactly this `now`; the others go one by one
-            counted = None  # counted for every id, not only those that landed: _settle counts again
             for chunk in _chunks(ids):
                 landed.update((i, t) for i, t in conn.execute(_q_landed(chunk, now, {o.token for o in fast})))
     for o in outcomes:
@@ -4939,7 +4938,7 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
     if spawners:  # before the rollups: a container no longer counts discarded spawns
         _discard_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st != "done"})
     if terminal:
-        _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1}, counted)
+        _settle(conn, d, now, terminal, {o.job_id: o.parent_id for o in outcomes if o.parent_id != -1})
     if spawners:  # after: the spawner is done and counted, its held jobs are work now
         _release_spawns(conn, d, now, {(o.job_id, o.token) for o, st in spawners if st == "done"})
     return written
@@ -5028,15 +5027,18 @@ def _chunks(items: Sequence[_K], size: int = 500) -> Iterable[Sequence[_K]]:
 
 
 def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[tuple[int, str]],
-            known_parents: Mapping[int, int | None] | None = None, counted: Mapping[int, int] | None = None) -> None:
+            known_parents: Mapping[int, int | None] | None = None) -> None:
     """Propagate jobs that just became terminal, in the transaction that made them so.
 
     done: each dependent's pending count drops; a waiting job that reaches 0 becomes ready (a
     container opens, releasing its children). failed/cancelled: waiting dependents, and the
     waiting subtree of a failed container, end in the same state naming the cause, which
     ``closed_by`` records. Either way the parent container counts the child, and rolls up when
-    it was the last. A work list, never recursion: chains and nests of any depth. ``counted``:
-    the dependents' counts of the events' done jobs, when the caller read them already.
+    it was the last. A work list, never recursion: chains and nests of any depth.
+
+    The dependents are read here, in statements after the one that made the jobs terminal: an
+    enqueue share-locks the upstreams it names, so that statement waited for any enqueue of a
+    dependent to commit, and only a later statement's snapshot sees what it committed.
     """
     todo: deque[tuple[int, str]] = deque(events)
     known = known_parents or {}
@@ -5064,14 +5066,10 @@ def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[t
                 conn.execute(_q_roll_up(pid, state, err, now))
                 todo.append((pid, state))
         # -- dependents
-        if counted is not None:  # the first round's, read with the finish
-            if _release_pending(conn, now, counted):
-                d.notify(conn)
-        for chunk in _chunks([i for i, s in batch if s == "done"] if counted is None else []):
+        for chunk in _chunks([i for i, s in batch if s == "done"]):
             counts: dict[int, int] = dict(_hot_rows(conn, _q_dependent_counts(d), {"b_ids": list(chunk)}))
             if _release_pending(conn, now, counts):
                 d.notify(conn)
-        counted = None
         for bad_state in _BAD:
             for chunk in _chunks([i for i, s in batch if s == bad_state]):
                 by_upstream: dict[int, int] = dict(conn.execute(_q_first_upstream(chunk)).all())

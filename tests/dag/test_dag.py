@@ -8,7 +8,8 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import FAST, snapshot, state
+from dbs import only
+from helpers import FAST, snapshot, state, wait_for
 
 
 def ok(ctx: jobq.JobContext) -> dict:
@@ -245,3 +246,57 @@ def test_submit_a_large_fan_out_and_fan_in(engine: sa.Engine) -> None:
     box, sink = jobq.get(engine, ids["box"]), jobq.get(engine, ids["sink"])
     assert box is not None and sink is not None
     assert (box.pending_children, sink.pending_deps, sink.attempts) == (0, 0, 1)
+
+
+def _waiting_on_a_lock(engine: sa.Engine) -> int:
+    """Transactions of this database blocked on a row lock now."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        else:  # InnoDB, MySQL and MariaDB alike
+            q = "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+        return int(conn.execute(sa.text(q)).scalar() or 0)
+
+
+@only("postgresql", "mysql", "mariadb")  # row locks: SQLite runs the two transactions one after the other
+@pytest.mark.parametrize("how", ["finalize", "worker"])
+def test_a_dependent_enqueued_while_its_upstream_finishes_is_released(engine: sa.Engine, how: str) -> None:
+    """The interleaving that lost a dependent on PostgreSQL: an enqueue of ``down`` (depends on
+    ``up``, which is running) is inside its transaction, holding its share lock on ``up``, when
+    ``up``'s finalize starts; the finalize waits for that lock, the enqueue commits, the
+    finalize goes on. The finalize must then count ``down`` off: it is ready, not waiting
+    forever on a job that is done. (Reading the dependents in the finish's own statement, whose
+    snapshot predates the wait, left ``down`` waiting with pending_deps = 1.)"""
+    up = jobq.enqueue(engine, "t")
+    [lease] = jobq.claim_batch(engine, "w1", 600, limit=1)
+    assert lease.id == up
+    with engine.connect() as conn:
+        tx = conn.begin()
+        down = jobq.enqueue(conn, "t", depends_on=[up])  # share-locks `up` until the commit
+        errors: list[BaseException] = []
+
+        def finish() -> None:
+            try:
+                if how == "finalize":
+                    jobq.finalize(engine, up, {}, worker_id="w1", token=lease.token)
+                else:  # a Worker's batch of outcomes: the path a tick writes
+                    d = jobq._prepare(engine)
+                    out = jobq._Outcome(up, "w1", lease.token, "done", result=None)
+                    jobq._transaction(engine, lambda c, _d: jobq._apply_outcomes(c, d, [out], d.db_now(c)))
+            except BaseException as exc:  # noqa: BLE001 - reported by the test below
+                errors.append(exc)
+
+        t = threading.Thread(target=finish)
+        t.start()
+        # Polled every 0.25 s: InnoDB refreshes its transaction table (a cache) only when the last
+        # read of it is over 0.1 s old, so a faster poll reads the same stale copy forever.
+        wait_for(lambda: errors or _waiting_on_a_lock(engine) >= 1, timeout=60, interval=0.25,
+                 what="the finalize to wait for the enqueue's lock")
+        assert errors == []
+        tx.commit()
+    t.join(timeout=60)
+    assert not t.is_alive() and errors == []
+    assert state(engine, up) == "done"
+    with engine.connect() as conn:
+        pending = conn.execute(sa.text("SELECT pending_deps FROM jobs WHERE id = :i"), {"i": down}).scalar()
+    assert (state(engine, down), pending) == ("ready", 0)
