@@ -4,7 +4,7 @@ One process drains the same no-op jobs with the DBAPI ceiling (bench/throughput.
 variants of jobq, the order rotating each round, and prints the medians and each one's ratio
 to the ceiling. The variants patch jobq in this process only, and are not safe to run jobs
 with: ``nohist`` writes no attempt-history rows, ``nodag`` skips the DAG bookkeeping
-(``_settle``; on PostgreSQL both also leave their part out of the finish's one statement),
+(``_settle``; on PostgreSQL ``nohist`` also leaves the history out of the finish's one statement),
 ``nocap`` claims without the global cap (no in-flight count, no claim lock),
 ``none`` all three, and ``+inline`` runs each handler on the loop's thread instead of a
 handler thread (no timeouts, no ``stop()`` while a handler runs).
@@ -51,10 +51,10 @@ class _NoCap(jobq.Worker):  # type: ignore[misc, name-defined]
                                     types=self._types, max_in_flight=None, group_caps=None, state="running"), []
 
 
-def _finish_fused(history: bool, dag: bool) -> Any:
-    """PostgreSQL writes a batch's finish, its history rows and its dependents' counts in one
-    statement (jobq._q_finish_recorded): the same statement with the left-out parts left out,
-    so that ``nohist`` and ``nodag`` leave them out there too."""
+def _finish_fused(history: bool) -> Any:
+    """PostgreSQL writes a batch's finish and its history rows in one statement
+    (jobq._q_finish_recorded): the same statement without the history, so that ``nohist``
+    leaves it out there too."""
     c = jobq._c
 
     def q(d: Any) -> Any:
@@ -68,10 +68,8 @@ def _finish_fused(history: bool, dag: bool) -> Any:
                               fin.c.started_at, sa.bindparam("b_now", type_=jobq._TS),
                               sa.literal("done", sa.String(16)), sa.null()),
                 ).returning(jobq._attempts.c.job_id).cte("rec")
-            landed = sa.select(sa.cast(sa.null(), sa.BigInteger).label("job_id"),
-                               sa.select(sa.func.count()).select_from(landed_from).scalar_subquery().label("n"))
-            return sa.union_all(landed, jobq._q_dependent_counts(d)) if dag else landed
-        return jobq._prebuilt(d, f"guarantees:finish:{history}:{dag}", build)
+            return sa.select(sa.select(sa.func.count()).select_from(landed_from).scalar_subquery().label("n"))
+        return jobq._prebuilt(d, f"guarantees:finish:{history}", build)
     return q
 
 
@@ -86,8 +84,8 @@ def _variant(name: str) -> type:
         jobq._q_record_attempts = lambda d, rec, now: _NO_HISTORY
     if not dag:
         jobq._settle = lambda *a, **k: None
-    if not (history and dag):
-        jobq._q_finish_recorded = _finish_fused(history, dag)
+    if not history:
+        jobq._q_finish_recorded = _finish_fused(history)
     if "inline" in parts:
         jobq.Worker._start_all = _inline
     return _NoCap if parts & {"nocap", "none"} else jobq.Worker
