@@ -2520,7 +2520,7 @@ _SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, threading.Lock] = weakref.Wea
 def _sqlite_writer(engine: Engine, d: _Dialect) -> Iterator[None]:
     # Threads of one process queue on a Python lock for SQLite's single write lock: a hand-off
     # there is immediate, while SQLite's busy handler polls with sleeps of up to 100 ms.
-    # Other processes still meet at SQLite's lock (busy_timeout).
+    # Processes meet at the lock file (_sqlite_lockfile), then at SQLite's lock (busy_timeout).
     if not d.is_sqlite or engine.dialect.is_async:
         # (An event loop must never block on a thread lock: async SQLite engines meet at
         # SQLite's own lock, whose busy handler waits in aiosqlite's thread, not the loop.)
@@ -2531,11 +2531,12 @@ def _sqlite_writer(engine: Engine, d: _Dialect) -> Iterator[None]:
         with _DIALECTS_LOCK:
             lock = _SQLITE_WRITERS.setdefault(engine, threading.Lock())
     with lock:
-        fd = _sqlite_lockfile(engine)
-        if fd is None:
+        files = _sqlite_lockfile(engine)
+        if files is None:
             yield
             return
-        held = _flock(fd)
+        fd, wake = files
+        held = _flock(fd, wake)
         try:
             yield
         finally:
@@ -2543,13 +2544,38 @@ def _sqlite_writer(engine: Engine, d: _Dialect) -> Iterator[None]:
                 import fcntl
 
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                if wake is not None:
+                    _wake(wake)
 
 
-def _flock(fd: int) -> bool:
-    """Take the lock file, polling every millisecond or two. After SQLITE_BUSY_TIMEOUT_MS (a
-    holder stopped mid-transaction) go on without it: SQLite's own lock and busy timeout still
-    decide, exactly as without the file, so a stuck process cannot hang the others here."""
+def _wake(wake: int) -> None:
+    """Tell a process waiting for the lock file (_flock) that it is free: one byte on the pipe."""
+    with contextlib.suppress(OSError):  # full (nobody waited for a while): enough said
+        os.write(wake, b"\0")
+
+
+#: Longest a process waits on the wake-up pipe before it tries the lock file again: the bound on
+#: a wake-up lost to another waiter (or to a process that shares the file but not the pipe).
+_WAKE_POLL_S = 0.002
+
+
+def _flock(fd: int, wake: int | None) -> bool:
+    """Take the lock file. While another process holds it, wait on the wake-up pipe, which
+    its holder writes a byte to as it lets go: the kernel wakes the waiter at once, as a
+    blocking flock would, and unlike a flock the wait can end at a deadline. (No pipe: poll
+    every millisecond or two.) After SQLITE_BUSY_TIMEOUT_MS (a holder stopped
+    mid-transaction) go on without it: SQLite's own lock and busy timeout still decide, exactly
+    as without the file, so a stuck process cannot hang the others here.
+
+    Why a pipe: a worker's tick holds the file a millisecond or two. Polling it from 0.2 ms
+    doubling to 2 ms woke a waiting worker up to 1.5 ms after the other let go, mostly to find
+    it taken again by that worker's next tick: two processes drained a 64-slot queue no
+    faster than one. Polling every 0.1 ms caught the hand-over (1.33x with two processes) but
+    cost the holder its CPU with four on two cores (0.94x); a blocking flock did well with
+    both (1.24x, 1.11x) but cannot time out; a helper thread blocking in it for the caller
+    cost more than it saved (two wake-ups, each waiting for the GIL)."""
     import fcntl
+    import select
 
     deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
     delay = 0.0002
@@ -2558,33 +2584,72 @@ def _flock(fd: int) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
+        if wake is None:
             time.sleep(delay)
             delay = min(delay * 2, 0.002)
+            continue
+        # A byte written while nobody waited (or read by another waiter) costs one more turn;
+        # a wake-up lost to another waiter costs at most 2 ms.
+        if select.select([wake], [], [], min(left, _WAKE_POLL_S))[0]:
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                os.read(wake, 65536)  # all of it: bytes left from releases nobody waited for
 
 
-_SQLITE_LOCKFILES: weakref.WeakKeyDictionary[Engine, tuple[int, int]] = weakref.WeakKeyDictionary()
+_SQLITE_LOCKFILES: weakref.WeakKeyDictionary[Engine, tuple[int, tuple[int, int | None]]] = weakref.WeakKeyDictionary()
 
 
-def _sqlite_lockfile(engine: Engine) -> int | None:
+def _sqlite_lockfile(engine: Engine) -> tuple[int, int | None] | None:
     """Processes meet at a file lock next to the database (``<db>-jobq.lock``) before SQLite's
-    own: the kernel hands a released flock to the next waiter at once, where SQLite's busy
-    handler sleeps up to 100 ms between polls (measured: two worker processes on one SQLite
-    file drained about 40% faster). Only jobq's own transactions take it; POSIX only; an
-    in-memory database or an unwritable directory simply goes without."""
+    own, and wait for it on a named pipe beside it (``<db>-jobq.wake``, _wake_pipe): the next
+    waiter is woken the moment the holder lets go, where SQLite's busy handler sleeps up to
+    100 ms between polls. Only jobq's own transactions take them; POSIX only; an in-memory
+    database or an unwritable directory simply goes without (without the pipe: polled).
+    Returns the lock file's descriptor and the pipe's (or None); both are closed with the
+    engine."""
     path = engine.url.database
     if not path or path == ":memory:" or path.startswith("file:") or os.name != "posix":
         return None
     got = _SQLITE_LOCKFILES.get(engine)
     if got is not None and got[0] == os.getpid():
         return got[1]
+    cloexec = getattr(os, "O_CLOEXEC", 0)
     try:  # (re)opened after a fork: a flock is shared by the processes that inherit its file
-        fd = os.open(path + "-jobq.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path + "-jobq.lock", os.O_RDWR | os.O_CREAT | cloexec, 0o644)
     except OSError:
         return None
-    _SQLITE_LOCKFILES[engine] = (os.getpid(), fd)
+    files = (fd, _wake_pipe(path + "-jobq.wake", cloexec))
+    _SQLITE_LOCKFILES[engine] = (os.getpid(), files)
+    weakref.finalize(engine, _close_all, [f for f in files if f is not None])
+    return files
+
+
+def _wake_pipe(path: str, cloexec: int) -> int | None:
+    """The named pipe _flock waits on, made if missing, and opened for reading and writing
+    without blocking (as Linux and the BSDs allow a FIFO to be opened). None where it cannot
+    be made (a file system without FIFOs) or what is there is not a pipe: a regular file would
+    read as always ready, a busy loop. (Copying the database's directory file by file then
+    meets a pipe: tar, rsync -a and cp -r copy it as one; shutil.copytree reports it.)"""
+    import stat
+
+    with contextlib.suppress(OSError):  # there already (FileExistsError), or cannot be made
+        os.mkfifo(path, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | cloexec)
+    except OSError:
+        return None
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
     return fd
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 @contextlib.contextmanager

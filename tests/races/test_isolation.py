@@ -3,6 +3,7 @@ SQLITE_BUSY on SQLite, and workers with different handler sets sharing one datab
 
 from __future__ import annotations
 
+import pathlib
 import sqlite3
 import threading
 import time
@@ -180,3 +181,73 @@ def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str
     held.close()
     eng.dispose()
     assert 0.25 <= waited < 5
+
+
+@only("sqlite")
+@pytest.mark.parametrize("wake", [True, False], ids=["wake-up", "BROKEN-no-wake-up"])
+def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: str, dialect: str, wake: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A jobq transaction that finds `<db>-jobq.lock` taken waits on the pipe `<db>-jobq.wake`,
+    which the holder writes to as it lets go: the waiter goes on then, not at its next look.
+    The longest wait on the pipe is set to a minute here, so a waiter nobody wakes is still
+    waiting when the test looks. The broken variant (the holder lets go without writing) shows
+    that the test sees it."""
+    import contextlib
+    import os
+    import select
+
+    monkeypatch.setattr(jobq, "_WAKE_POLL_S", 60.0)
+    monkeypatch.setattr(jobq, "SQLITE_BUSY_TIMEOUT_MS", 120_000)  # no giving up on the file meanwhile
+    if not wake:
+        monkeypatch.setattr(jobq, "_wake", lambda fd: None)
+    jid = jobq.enqueue(sa.create_engine(db_url), "t")
+    inside, release = threading.Event(), threading.Event()
+    holder = _hold_claim_open(db_url, True, inside, release)  # its own engine: its own open file, as another process
+    assert inside.wait(10)
+    eng = sa.create_engine(db_url)
+    files = jobq._sqlite_lockfile(eng)
+    assert files is not None and files[1] is not None
+    pipe = files[1]
+    with contextlib.suppress(BlockingIOError):
+        os.read(pipe, 65536)  # the bytes of the commits above: none is left to wake the waiter early
+    real, waiting = select.select, threading.Event()
+
+    def watched(*args: object) -> object:
+        waiting.set()
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(select, "select", watched)
+    done, got = threading.Event(), []
+    claimer = threading.Thread(target=lambda: (got.append(jobq.claim(eng, "w2", 30)), done.set()))
+    claimer.start()
+    try:
+        assert waiting.wait(10), "the second claim never waited for the lock file"
+        release.set()
+        holder.join(10)
+        if wake:
+            assert done.wait(30), "the waiter was not woken when the holder let the lock file go"
+        else:
+            assert not done.wait(1.0), "the waiter went on with nothing to wake it: the test cannot see a lost wake-up"
+            os.write(pipe, b"\0")  # the wake-up the broken holder left out
+            assert done.wait(30)
+        assert got == [jid]
+    finally:
+        release.set()
+        claimer.join(10)
+        eng.dispose()
+
+
+@only("sqlite")
+def test_something_other_than_a_pipe_where_the_wake_pipe_goes_is_left_alone(dialect: str, tmp_path: pathlib.Path) -> None:
+    """A regular file at `<db>-jobq.wake` (it would read as always ready: a busy loop) is not
+    used or touched: jobq polls the lock file instead, and claims as before."""
+    path = tmp_path / "jobq.db"
+    (tmp_path / "jobq.db-jobq.wake").write_text("mine")
+    eng = sa.create_engine(f"sqlite:///{path}")
+    jobq.create_schema(eng)
+    jid = jobq.enqueue(eng, "t")
+    files = jobq._sqlite_lockfile(eng)
+    assert files is not None and files[1] is None
+    assert jobq.claim(eng, "w", 30) == jid
+    assert (tmp_path / "jobq.db-jobq.wake").read_text() == "mine"
+    eng.dispose()
