@@ -2563,7 +2563,7 @@ def _flock(fd: int, wake: int | None) -> bool:
     """Take the lock file. While another process holds it, wait on the wake-up pipe, which
     its holder writes a byte to as it lets go: the kernel wakes the waiter at once, as a
     blocking flock would, and unlike a flock the wait can end at a deadline. (No pipe: poll
-    every millisecond or two.) After SQLITE_BUSY_TIMEOUT_MS (a holder stopped
+    the file every millisecond or two.) After SQLITE_BUSY_TIMEOUT_MS (a holder stopped
     mid-transaction) go on without it: SQLite's own lock and busy timeout still decide, exactly
     as without the file, so a stuck process cannot hang the others here.
 
@@ -2579,6 +2579,7 @@ def _flock(fd: int, wake: int | None) -> bool:
 
     deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
     delay = 0.0002
+    poller = None
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -2591,9 +2592,12 @@ def _flock(fd: int, wake: int | None) -> bool:
             time.sleep(delay)
             delay = min(delay * 2, 0.002)
             continue
+        if poller is None:  # poll, not select: a descriptor past 1023 is out of select's range
+            poller = select.poll()
+            poller.register(wake, select.POLLIN)
         # A byte written while nobody waited (or read by another waiter) costs one more turn;
-        # a wake-up lost to another waiter costs at most 2 ms.
-        if select.select([wake], [], [], min(left, _WAKE_POLL_S))[0]:
+        # a wake-up lost to another waiter costs at most _WAKE_POLL_S.
+        if poller.poll(min(left, _WAKE_POLL_S) * 1000):
             with contextlib.suppress(BlockingIOError, InterruptedError):
                 os.read(wake, 65536)  # all of it: bytes left from releases nobody waited for
 
@@ -2629,11 +2633,14 @@ def _sqlite_lockfile(engine: Engine) -> tuple[int, int | None] | None:
 def _wake_pipe(path: str, cloexec: int) -> int | None:
     """The named pipe _flock waits on, made if missing, and opened for reading and writing
     without blocking (as Linux and the BSDs allow a FIFO to be opened). None where it cannot
-    be made (a file system without FIFOs) or what is there is not a pipe: a regular file would
-    read as always ready, a busy loop. (Copying the database's directory file by file then
+    be made (a file system without FIFOs), where select.poll is missing, or where what is
+    there is not a pipe: a regular file would read as always ready, a busy loop. (Copying the database's directory file by file then
     meets a pipe: tar, rsync -a and cp -r copy it as one; shutil.copytree reports it.)"""
+    import select
     import stat
 
+    if not hasattr(select, "poll"):
+        return None
     with contextlib.suppress(OSError):  # there already (FileExistsError), or cannot be made
         os.mkfifo(path, 0o644)
     try:

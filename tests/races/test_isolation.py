@@ -210,13 +210,20 @@ def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: st
     pipe = files[1]
     with contextlib.suppress(BlockingIOError):
         os.read(pipe, 65536)  # the bytes of the commits above: none is left to wake the waiter early
-    real, waiting = select.select, threading.Event()
+    real, waiting = select.poll, threading.Event()
 
-    def watched(*args: object) -> object:
-        waiting.set()
-        return real(*args)  # type: ignore[arg-type]
+    class Watched:  # select.poll's object, telling the test when the waiter starts waiting
+        def __init__(self) -> None:
+            self.poller = real()
 
-    monkeypatch.setattr(select, "select", watched)
+        def register(self, *args: int) -> None:
+            self.poller.register(*args)
+
+        def poll(self, timeout: float) -> list[tuple[int, int]]:
+            waiting.set()
+            return self.poller.poll(timeout)
+
+    monkeypatch.setattr(select, "poll", Watched)
     done, got = threading.Event(), []
     claimer = threading.Thread(target=lambda: (got.append(jobq.claim(eng, "w2", 30)), done.set()))
     claimer.start()
@@ -251,3 +258,63 @@ def test_something_other_than_a_pipe_where_the_wake_pipe_goes_is_left_alone(dial
     assert jobq.claim(eng, "w", 30) == jid
     assert (tmp_path / "jobq.db-jobq.wake").read_text() == "mine"
     eng.dispose()
+
+
+@only("sqlite")
+def test_the_wait_for_the_lock_file_works_with_a_pipe_past_descriptor_1023(db_url: str, dialect: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process with many files open (a server's sockets) gets a pipe descriptor past 1023,
+    out of select()'s range (ValueError): the waiter polls instead, and the hand-over works."""
+    import fcntl
+    import os
+    import resource
+    import select
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.fail(f"the test needs 1100 open files; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    eng = sa.create_engine(db_url)
+    try:
+        files = jobq._sqlite_lockfile(eng)
+        assert files is not None and files[1] is not None
+        fd, pipe = files
+        high = fcntl.fcntl(pipe, fcntl.F_DUPFD_CLOEXEC, 1050)
+        assert high >= 1024
+        other = os.open(db_url.removeprefix("sqlite:///") + "-jobq.lock", os.O_RDWR)  # as another process
+        fcntl.flock(other, fcntl.LOCK_EX)
+        real, waiting, got = select.poll, threading.Event(), []
+
+        class Watched:  # select.poll's object, telling the test when the waiter starts waiting
+            def __init__(self) -> None:
+                self.poller = real()
+
+            def register(self, *args: int) -> None:
+                self.poller.register(*args)
+
+            def poll(self, timeout: float) -> list[tuple[int, int]]:
+                waiting.set()
+                return self.poller.poll(timeout)
+
+        monkeypatch.setattr(select, "poll", Watched)
+
+        def wait() -> None:
+            try:
+                got.append(jobq._flock(fd, high))
+            except BaseException as exc:  # noqa: BLE001 - what the test reports
+                got.append(exc)
+                waiting.set()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert waiting.wait(30)  # it found the file taken, and waits (or failed to)
+        fcntl.flock(other, fcntl.LOCK_UN)
+        jobq._wake(high)
+        waiter.join(30)
+        assert got == [True]
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(other)
+        os.close(high)
+    finally:
+        eng.dispose()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
