@@ -183,6 +183,28 @@ def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str
     assert 0.25 <= waited < 5
 
 
+def _watch_the_wait(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set when a jobq transaction starts waiting on the lock file's wake-up pipe
+    (select.poll's poll, wrapped)."""
+    import select
+
+    real, waiting = select.poll, threading.Event()
+
+    class Watched:
+        def __init__(self) -> None:
+            self.poller = real()
+
+        def register(self, *args: int) -> None:
+            self.poller.register(*args)
+
+        def poll(self, timeout: float) -> list[tuple[int, int]]:
+            waiting.set()
+            return self.poller.poll(timeout)
+
+    monkeypatch.setattr(select, "poll", Watched)
+    return waiting
+
+
 @only("sqlite")
 @pytest.mark.parametrize("wake", [True, False], ids=["wake-up", "BROKEN-no-wake-up"])
 def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: str, dialect: str, wake: bool,
@@ -194,7 +216,6 @@ def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: st
     that the test sees it."""
     import contextlib
     import os
-    import select
 
     monkeypatch.setattr(jobq, "_WAKE_POLL_S", 60.0)
     monkeypatch.setattr(jobq, "SQLITE_BUSY_TIMEOUT_MS", 120_000)  # no giving up on the file meanwhile
@@ -210,20 +231,7 @@ def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: st
     pipe = files[1]
     with contextlib.suppress(BlockingIOError):
         os.read(pipe, 65536)  # the bytes of the commits above: none is left to wake the waiter early
-    real, waiting = select.poll, threading.Event()
-
-    class Watched:  # select.poll's object, telling the test when the waiter starts waiting
-        def __init__(self) -> None:
-            self.poller = real()
-
-        def register(self, *args: int) -> None:
-            self.poller.register(*args)
-
-        def poll(self, timeout: float) -> list[tuple[int, int]]:
-            waiting.set()
-            return self.poller.poll(timeout)
-
-    monkeypatch.setattr(select, "poll", Watched)
+    waiting = _watch_the_wait(monkeypatch)
     done, got = threading.Event(), []
     claimer = threading.Thread(target=lambda: (got.append(jobq.claim(eng, "w2", 30)), done.set()))
     claimer.start()
@@ -268,7 +276,6 @@ def test_the_wait_for_the_lock_file_works_with_a_pipe_past_descriptor_1023(db_ur
     import fcntl
     import os
     import resource
-    import select
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1100:
@@ -283,20 +290,7 @@ def test_the_wait_for_the_lock_file_works_with_a_pipe_past_descriptor_1023(db_ur
         assert high >= 1024
         other = os.open(db_url.removeprefix("sqlite:///") + "-jobq.lock", os.O_RDWR)  # as another process
         fcntl.flock(other, fcntl.LOCK_EX)
-        real, waiting, got = select.poll, threading.Event(), []
-
-        class Watched:  # select.poll's object, telling the test when the waiter starts waiting
-            def __init__(self) -> None:
-                self.poller = real()
-
-            def register(self, *args: int) -> None:
-                self.poller.register(*args)
-
-            def poll(self, timeout: float) -> list[tuple[int, int]]:
-                waiting.set()
-                return self.poller.poll(timeout)
-
-        monkeypatch.setattr(select, "poll", Watched)
+        waiting, got = _watch_the_wait(monkeypatch), []
 
         def wait() -> None:
             try:
