@@ -2634,8 +2634,9 @@ def _wake_pipe(path: str, cloexec: int) -> int | None:
     """The named pipe _flock waits on, made if missing, and opened for reading and writing
     without blocking (as Linux and the BSDs allow a FIFO to be opened). None where it cannot
     be made (a file system without FIFOs), where select.poll is missing, or where what is
-    there is not a pipe: a regular file would read as always ready, a busy loop. (Copying the database's directory file by file then
-    meets a pipe: tar, rsync -a and cp -r copy it as one; shutil.copytree reports it.)"""
+    there is not a pipe: a regular file would read as always ready, a busy loop. (Copying the
+    database's directory file by file then meets a pipe: tar, rsync -a and cp -r copy it as
+    one; shutil.copytree reports it.)"""
     import select
     import stat
 
