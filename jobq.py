@@ -2626,7 +2626,12 @@ def _sqlite_lockfile(engine: Engine) -> tuple[int, int | None] | None:
         return None
     files = (fd, _wake_pipe(path + "-jobq.wake", cloexec))
     _SQLITE_LOCKFILES[engine] = (os.getpid(), files)
-    weakref.finalize(engine, _close_all, [f for f in files if f is not None])
+    # Closed when the engine is collected, in this process only, and not at exit, where jobq's
+    # daemon threads may still be inside a transaction (a number closed under them could be
+    # reused by an exit handler's file: an unlock or a wake-up byte would land there). After a
+    # fork the child's copy of this finalizer must not close what the child has reused.
+    closer = weakref.finalize(engine, _close_all, os.getpid(), [f for f in files if f is not None])
+    closer.atexit = False
     return files
 
 
@@ -2654,7 +2659,9 @@ def _wake_pipe(path: str, cloexec: int) -> int | None:
     return fd
 
 
-def _close_all(fds: list[int]) -> None:
+def _close_all(pid: int, fds: list[int]) -> None:
+    if os.getpid() != pid:
+        return  # a forked child's copy: these numbers may be the child's own files by now
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
