@@ -51,26 +51,15 @@ class _NoCap(jobq.Worker):  # type: ignore[misc, name-defined]
                                     types=self._types, max_in_flight=None, group_caps=None, state="running"), []
 
 
-def _finish_fused(history: bool) -> Any:
+def _finish_without_history(d: Any) -> Any:
     """PostgreSQL writes a batch's finish and its history rows in one statement
-    (jobq._q_finish_recorded): the same statement without the history, so that ``nohist``
-    leaves it out there too."""
-    c = jobq._c
-
-    def q(d: Any) -> Any:
-        def build() -> Any:
-            fin = jobq._q_finish_batch_same(d).returning(c.id, c.attempts, c.started_at).cte("fin")
-            landed_from = fin
-            if history:
-                landed_from = sa.insert(jobq._attempts).from_select(
-                    ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"],
-                    sa.select(fin.c.id, fin.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)),
-                              fin.c.started_at, sa.bindparam("b_now", type_=jobq._TS),
-                              sa.literal("done", sa.String(16)), sa.null()),
-                ).returning(jobq._attempts.c.job_id).cte("rec")
-            return sa.select(sa.select(sa.func.count()).select_from(landed_from).scalar_subquery().label("n"))
-        return jobq._prebuilt(d, f"guarantees:finish:{history}", build)
-    return q
+    (jobq._q_finish_recorded): the same finish, counted the same way, without the history, so
+    that ``nohist`` leaves it out there too."""
+    def build() -> Any:
+        c = jobq._c
+        fin = jobq._q_finish_batch_same(d).returning(c.id, c.attempts, c.started_at).cte("fin")
+        return sa.select(sa.select(sa.func.count()).select_from(fin).scalar_subquery().label("n"))
+    return jobq._prebuilt(d, "guarantees:finish:nohist", build)
 
 
 def _variant(name: str) -> type:
@@ -82,10 +71,9 @@ def _variant(name: str) -> type:
     history, dag = not parts & {"nohist", "none"}, not parts & {"nodag", "none"}
     if not history:
         jobq._q_record_attempts = lambda d, rec, now: _NO_HISTORY
+        jobq._q_finish_recorded = _finish_without_history
     if not dag:
         jobq._settle = lambda *a, **k: None
-    if not history:
-        jobq._q_finish_recorded = _finish_fused(history)
     if "inline" in parts:
         jobq.Worker._start_all = _inline
     return _NoCap if parts & {"nocap", "none"} else jobq.Worker
