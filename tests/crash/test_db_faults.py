@@ -336,20 +336,28 @@ def test_real_deadlocks_are_classified_retryable(engine: sa.Engine) -> None:
 @only("sqlite")  # servers: see the lock-wait-timeout test
 def test_claim_retry_gives_up_cleanly_when_the_database_stays_locked(engine: sa.Engine, db_url: str) -> None:
     """A database that never frees its lock: the error surfaces after bounded retries (no hot
-    loop, no endless wait) and the queue is unchanged. A bug shows as a claim that does not
-    return within 10 s, or a job that is no longer claimable once the lock is freed."""
+    loop, no endless wait) and the queue is unchanged. A bug shows as more than TX_RETRIES
+    retries, a retry without a pause before it, or a job that is no longer claimable once the
+    lock is freed. (An endless wait never returns: the suite's per-test timeout reports it.)"""
     jobq.enqueue(engine, "t")
     c = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
     c.execute("BEGIN IMMEDIATE")
-    old = jobq.SQLITE_BUSY_TIMEOUT_MS
+    old, pause = jobq.SQLITE_BUSY_TIMEOUT_MS, jobq._pause_for
+    pauses: list[float] = []
+
+    def counted(engine: sa.Engine, seconds: float) -> None:
+        pauses.append(seconds)
+        pause(engine, seconds)
+
     try:
         jobq.SQLITE_BUSY_TIMEOUT_MS = 10
+        jobq._pause_for = counted  # type: ignore[assignment]
         fresh = sa.create_engine(db_url)
-        t0 = time.monotonic()
         with pytest.raises(sa.exc.OperationalError):
             jobq.claim(fresh, "w", 30)
-        assert time.monotonic() - t0 < 10
+        assert 0 < len(pauses) <= jobq.TX_RETRIES and min(pauses) > 0, pauses
     finally:
+        jobq._pause_for = pause  # type: ignore[assignment]
         jobq.SQLITE_BUSY_TIMEOUT_MS = old
         c.rollback()
         c.close()

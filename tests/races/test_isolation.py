@@ -183,7 +183,10 @@ def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str
     waited = time.monotonic() - t0
     held.close()
     eng.dispose()
-    assert 0.25 <= waited < 5
+    # It waited for the file (the busy timeout, 0.3 s), then went on while the file was still
+    # held. No upper bound: a claim that hung on the file never returns, which the suite's
+    # per-test timeout (pyproject.toml) reports; how long a slow machine takes is no fault.
+    assert waited >= 0.25
 
 
 def _watch_the_wait(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.Event:
