@@ -61,6 +61,21 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def wake_cost_us(sleeps: int = 100, runs: int = 5) -> float:
+    """CPU the OS charges this thread for one 1 ms sleep, in µs (median of ``runs``): what a
+    wake-up from idle costs on this machine. Every contender pays it each time it waits for
+    its server (a round trip) or for another thread, so the client CPU figures include it.
+    Under 10 µs on bare metal; some virtual machines charge tens of µs (the time the host
+    took to resume the stopped vCPU, counted as the woken thread's run time)."""
+    got = []
+    for _ in range(runs):
+        c0 = time.thread_time()
+        for _ in range(sleeps):
+            time.sleep(0.001)
+        got.append((time.thread_time() - c0) / sleeps * 1e6)
+    return statistics.median(got)
+
+
 # -- jobq ---------------------------------------------------------------------------------------
 
 def _noop(ctx: jobq.JobContext) -> None:
@@ -206,7 +221,8 @@ def main() -> None:
     with eng0.connect() as conn:
         version = conn.dialect.server_version_info
     print(f"jobq {jobq.__version__} on {eng0.dialect.name} {'.'.join(map(str, version or ()))}, "
-          f"SQLAlchemy {sa.__version__}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}", flush=True)
+          f"SQLAlchemy {sa.__version__}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; "
+          f"a wake-up costs {wake_cost_us():.0f} µs of CPU here (bench.wake_cost_us)", flush=True)
     eng0.dispose()
 
     if "drain" in only:

@@ -4,6 +4,7 @@ what each guarantee costs (bench/throughput.py, bench/guarantees.py, printed by 
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 from types import ModuleType
@@ -64,6 +65,8 @@ def test_bench_prints_the_targets_and_each_guarantees_cost(db_url: str) -> None:
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
+    # The header: what a wake-up costs here, to read the CPU column against (bench.wake_cost_us).
+    assert re.search(r"a wake-up costs \d+ µs of CPU here", text.splitlines()[0]), text
     assert "Targets, this run:" in text and "| jobq ≥ 0.5× ceiling | " in text, text
     # Every variant drained (each checks its jobs done and its history rows: bench/guarantees.py).
     for variant in ("ceiling", "shipped", "inline", "nohist", "nodag", "nocap", "none", "none+inline"):
