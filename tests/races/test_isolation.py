@@ -100,7 +100,10 @@ def test_two_connections_are_never_inside_the_claim_at_once(db_url: str, dialect
     done = threading.Event()
     claimer = threading.Thread(target=lambda: (jobq.claim(other, "w2", 30), done.set()))
     claimer.start()
-    entered_together = done.wait(0.5)
+    # Correct: the claim must not get through while the holder is inside; half a second of not
+    # getting through shows it waits (a slow machine can only make that look longer). Broken:
+    # it gets through with the holder still inside, however slow the machine; give it time.
+    entered_together = done.wait(0.5 if immediate else 30)
     release.set()
     holder.join(10)
     claimer.join(30)
