@@ -65,8 +65,9 @@ def wake_cost_us(sleeps: int = 100, runs: int = 5) -> float:
     """CPU the OS charges this thread for one 1 ms sleep, in µs (median of ``runs``): what a
     wake-up from idle costs on this machine. Every contender pays it each time it waits for
     its server (a round trip) or for another thread, so the client CPU figures include it.
-    Under 10 µs on bare metal; some virtual machines charge tens of µs (the time the host
-    took to resume the stopped vCPU, counted as the woken thread's run time)."""
+    Where waking is cheap this is a few µs (the sleep's own system calls); the virtual machine
+    of 2026-12-05 charged 41-47 µs (the host's time to resume a halted vCPU, counted as run
+    time of the thread that wakes: bench/README.md, stop 37)."""
     got = []
     for _ in range(runs):
         c0 = time.thread_time()
