@@ -220,7 +220,10 @@ def test_handlers_see_lease_loss_through_their_context(engine: sa.Engine) -> Non
         return {"should": "be dropped"}
 
     jid = jobq.enqueue(engine, "watch", max_attempts=1)
-    w = jobq.Worker(engine, {"watch": watch}, max_concurrency=1, poll_interval=0.02, lease_ttl=0.6)
+    # Heartbeats every 0.2 s tell the handler; a long lease, so that a slow machine's stall
+    # never lets the worker's own sweep take the job back first.
+    w = jobq.Worker(engine, {"watch": watch}, max_concurrency=1, poll_interval=0.02, lease_ttl=30,
+                    heartbeat_interval=0.2)
     assert w.tick() == 1
     with engine.begin() as conn:  # another party takes the job away (as a reclaim would)
         conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == jid)

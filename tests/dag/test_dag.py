@@ -112,7 +112,10 @@ def test_cancel_a_running_job_asks_its_handler_to_stop(engine: sa.Engine) -> Non
 
     jid = jobq.enqueue(engine, "long")
     after = jobq.enqueue(engine, "t", depends_on=[jid])
-    w = jobq.Worker(engine, {"long": long, "t": ok}, max_concurrency=2, poll_interval=0.02, lease_ttl=0.6)
+    # Heartbeats every 0.2 s tell the handler; a long lease, so that a slow machine's stall
+    # never lets the worker's own sweep take the job back first.
+    w = jobq.Worker(engine, {"long": long, "t": ok}, max_concurrency=2, poll_interval=0.02, lease_ttl=30,
+                    heartbeat_interval=0.2)
     assert w.tick() == 1
     assert jobq.cancel(engine, jid) == "running"
     assert w.run_until_idle(timeout=30)
