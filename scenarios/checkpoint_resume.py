@@ -40,6 +40,8 @@ def export(ctx: jobq.JobContext) -> dict:
     where = "from the start" if ctx.state is None else f"from checkpoint {state}"
     print(f"  [pid {os.getpid()}] job {ctx.id} attempt {ctx.attempt}: starting {where}", flush=True)
     for part in range(state["next"], PARTITIONS):
+        if ctx.attempt == 1 and part == 3:
+            ctx.wait(60)  # this demo's kill -9 lands here, mid-job, however slow the machine
         ctx.wait(0.15)  # the work of one partition
         state = {"next": part + 1, "rows": state["rows"] + 1000}
         ctx.progress(part + 1, PARTITIONS, f"partition {part} exported")  # carried by the checkpoint below

@@ -34,7 +34,7 @@ LEASE_TTL = 2.0
 
 def slow_report(ctx: jobq.JobContext) -> dict:
     print(f"  [pid {os.getpid()}] job {ctx.id} attempt {ctx.attempt}: working...", flush=True)
-    ctx.wait(3.0 if ctx.attempt == 1 else 0.2)  # the first attempt is killed before it ends
+    ctx.wait(60.0 if ctx.attempt == 1 else 0.2)  # the first attempt is killed long before it ends
     return {"report": "ok", "by_pid": os.getpid(), "attempt": ctx.attempt}
 
 
