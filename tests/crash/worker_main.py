@@ -9,6 +9,7 @@ test can count executions and finalize commits after the process is gone:
     final-PID.log   one line per job whose finalize committed (the "finalized" checkpoint)
     events-PID.log  one line per worker event: "action job"
     started-JOB-ATTEMPT  a marker file created when a handler starts
+    returning-JOB-ATTEMPT  created just before a "work" handler with args.gate returns
 """
 
 from __future__ import annotations
@@ -67,7 +68,13 @@ def main() -> None:
         append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
         (logs / f"started-{ctx.id}-{ctx.attempt}").touch()
         sleep = float(ctx.args.get("sleep", 0.02))
-        if ctx.args.get("cooperative"):
+        if ctx.args.get("gate"):
+            # Runs until the test creates the file args.gate, ignoring stop_requested like a
+            # hung call; marks returning-JOB-ATTEMPT just before it returns.
+            while not os.path.exists(ctx.args["gate"]):
+                time.sleep(0.01)
+            (logs / f"returning-{ctx.id}-{ctx.attempt}").touch()
+        elif ctx.args.get("cooperative"):
             ctx.wait(sleep)
         else:
             time.sleep(sleep)
