@@ -62,27 +62,24 @@ def _count_ticks(worker: jobq.Worker) -> list[float]:
 
 @only("postgresql")  # NOTIFY is PostgreSQL's
 def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
-    """A listening worker with a 30 s poll, idle: a newly enqueued job, and a dependent released by
-    a finalize, start within seconds, because the NOTIFY woke it. A broken NOTIFY path shows as a
-    start only at the next poll: the wait times out."""
+    """A listening worker with an hour's poll, idle: a newly enqueued job, and a dependent released
+    by a finalize, start long before it, because the NOTIFY woke it. A broken NOTIFY path shows as
+    a start only at the next poll, an hour away: the wait (40 s, for a loaded machine) times
+    out. No tighter bound: how quickly the woken worker gets going is not the property."""
     started = Started()
-    w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=30.0, listen=True)
+    w = jobq.Worker(engine, {"t": started}, max_concurrency=2, poll_interval=3600.0, listen=True)
     ticks = _count_ticks(w)
     t = _run(w)
     try:
-        # Idle and listening: with a 30 s poll the loop ticks once at start and once more when
+        # Idle and listening: with an hour's poll the loop ticks once at start and once more when
         # the listener wakes it after its LISTEN; after that only a notification wakes it.
-        wait_for(lambda: len(ticks) >= 2 and _listening(engine) == 1, timeout=10,
+        wait_for(lambda: len(ticks) >= 2 and _listening(engine) == 1, timeout=30,
                  what="the worker to LISTEN and go idle")
-        sent = time.monotonic()
         jid = jobq.enqueue(engine, "t")
-        wait_for(lambda: jid in started.at, timeout=10, what="the notified worker to start the job")
-        assert started.at[jid] - sent < 2.0  # far below the 30 s poll
-        sent = time.monotonic()  # a dependent released by a finalize is notified too
-        up = jobq.enqueue(engine, "t")
+        wait_for(lambda: jid in started.at, timeout=40, what="the notified worker to start the job")
+        up = jobq.enqueue(engine, "t")  # a dependent released by a finalize is notified too
         down = jobq.enqueue(engine, "t", depends_on=[up])
-        wait_for(lambda: down in started.at, timeout=10, what="the released dependent to start")
-        assert started.at[down] - sent < 3.0
+        wait_for(lambda: down in started.at, timeout=40, what="the released dependent to start")
     finally:
         w.stop()
         t.join(10)
