@@ -105,10 +105,12 @@ def test_a_zombie_worker_cannot_heartbeat_or_finalize(engine: sa.Engine, db_url:
         gate = __import__("threading").Event()
 
         def b_handler(ctx: jobq.JobContext) -> dict:
-            gate.wait(10)
+            gate.wait(60)
             return {"by": "B", "attempt": ctx.attempt}
 
-        b = jobq.Worker(engine, {"work": b_handler}, max_concurrency=1, lease_ttl=5.0, poll_interval=0.02)
+        # B is ticked by hand (no heartbeats): a long lease, so that however long A takes to
+        # learn of its loss, B's lease has not expired for A's sweep to take back meanwhile.
+        b = jobq.Worker(engine, {"work": b_handler}, max_concurrency=1, lease_ttl=60.0, poll_interval=0.02)
         assert b.tick() == 1  # reclaims A's expired lease and claims the job again
         b_lease = jobq.get(engine, jid)
         assert b_lease is not None and b_lease.attempts == 2 and b_lease.lease_owner == b.worker_id

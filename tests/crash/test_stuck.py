@@ -25,15 +25,17 @@ def test_an_abandoned_thread_keeps_its_slot_until_it_returns(engine: sa.Engine, 
 
     def stuck(ctx: jobq.JobContext) -> dict:
         running.set()
-        unstick.wait(20)  # ignores ctx.stop_requested, like a hung network call
+        unstick.wait(60)  # ignores ctx.stop_requested, like a hung network call
         return {"late": True}
 
     jid = jobq.enqueue(engine, "stuck", timeout=0.3, max_attempts=2)
-    a = jobq.Worker(engine, {"stuck": stuck}, max_concurrency=1, poll_interval=0.02, lease_ttl=5.0,
+    # Ticked by hand (no heartbeats): leases long enough that no stall lets one expire, so the
+    # job is released by its timeout, not reclaimed.
+    a = jobq.Worker(engine, {"stuck": stuck}, max_concurrency=1, poll_interval=0.02, lease_ttl=60.0,
                     retry_backoff=lambda attempt: 3600.0)
-    b = jobq.Worker(engine, {"quick": lambda ctx: {"ok": True}}, max_concurrency=1, poll_interval=0.02, lease_ttl=5.0)
+    b = jobq.Worker(engine, {"quick": lambda ctx: {"ok": True}}, max_concurrency=1, poll_interval=0.02, lease_ttl=60.0)
     try:
-        assert a.tick() == 1 and running.wait(5)
+        assert a.tick() == 1 and running.wait(30)
         wait_for(lambda: (a.tick(), jobq.get(engine, jid).state == "ready")[1], timeout=10, what="the timeout")
         info = jobq.get(engine, jid)
         assert info is not None and "timed out" in (info.error or "") and info.attempts == 1
@@ -46,7 +48,7 @@ def test_an_abandoned_thread_keeps_its_slot_until_it_returns(engine: sa.Engine, 
             return
         unstick.set()
         wait_for(lambda: (a.tick(), a._busy == 0 and not a._abandoned)[1], timeout=10, what="A's thread to return")
-        assert b.run_until_idle(timeout=10)
+        assert b.run_until_idle(timeout=30)
         assert jobq.get(engine, other).state == "done"  # type: ignore[union-attr]
         late = jobq.get(engine, jid)
         assert late is not None and late.result is None and late.state == "ready"  # the late result was dropped
