@@ -40,7 +40,11 @@ def test_a_timed_out_attempt_then_success_shows_two_attempts_and_no_stale_error(
 
     def slow(ctx: jobq.JobContext):
         if ctx.attempt == 1:
-            release.wait(10)  # a stuck call that ignores ctx.stop_requested
+            # The retry is claimed with no timeout, so a loaded machine cannot time it out too;
+            # this attempt keeps the 0.3 s its lease was claimed with.
+            with engine.begin() as conn:
+                conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == ctx.id).values(timeout=None))
+            release.wait(30)  # a stuck call that ignores ctx.stop_requested
         return {"attempt": ctx.attempt}
 
     def on_event(ev: jobq.Event) -> None:
