@@ -123,10 +123,17 @@ def test_sqlite_busy_is_retried_and_the_connection_stays_usable(db_url: str, dia
     path = db_url.removeprefix("sqlite:///")
     blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     blocker.execute("BEGIN IMMEDIATE")
-    threading.Timer(0.4, blocker.rollback).start()
-    t0 = time.monotonic()
+    pause, pauses = jobq._pause_for, []
+
+    def released_at_the_first_retry(engine: sa.Engine, seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 1:
+            blocker.rollback()  # the lock goes while the claim backs off (a timer could be late)
+        pause(engine, seconds)
+
+    monkeypatch.setattr(jobq, "_pause_for", released_at_the_first_retry)
     assert jobq.claim(eng, "w", 30) == jid
-    assert time.monotonic() - t0 >= 0.3  # it did wait for the lock
+    assert len(pauses) == 1  # it met the lock, backed off, and the retry went through
     blocker.execute("BEGIN IMMEDIATE")  # now longer than every retry: the error surfaces...
     with pytest.raises(sa.exc.OperationalError, match="locked"):
         jobq.claim(eng, "w", 30)
