@@ -27,7 +27,9 @@ def test_a_job_resumes_from_its_checkpoint_after_its_worker_is_killed(engine: sa
     first = start(db_url, tmp_path, "--executor", executor, "--concurrency", "1")
     assert first.wait(60) == -signal.SIGKILL
     assert jobq.get(engine, job).checkpoint == {"next": 3}  # type: ignore[union-attr]
-    second = start(db_url, tmp_path, "--executor", executor, "--concurrency", "1", "--until-idle", "60")
+    # A long lease for the resuming worker: a stall must not let it reclaim its own attempt.
+    second = start(db_url, tmp_path, "--executor", executor, "--concurrency", "1", "--until-idle", "60",
+                   "--ttl", "30")
     assert second.wait(90) == 0
     steps = sorted(tuple(int(x) for x in line.split()) for line in lines(tmp_path, "steps"))
     assert steps == [(job, 1, 0), (job, 1, 1), (job, 1, 2), (job, 2, 3), (job, 2, 4), (job, 2, 5)]

@@ -40,7 +40,9 @@ def test_sigkill_after_spawning_leaves_no_orphan_and_runs_the_rerun_spawns_once(
     first = [i for i, r in _table(engine).items() if r.state == "held"]
     assert len(first) == 3, "the killed attempt's spawns should be held (committed, not released)"
 
-    d = start(db_url, tmp_path, "--until-idle", "60", "--concurrency", "2")
+    # The recovering worker holds long leases: only the killed one's (1 s) has to expire, and a
+    # stall here must not let the drain reclaim its own jobs (an extra attempt, an extra run).
+    d = start(db_url, tmp_path, "--until-idle", "60", "--concurrency", "2", "--ttl", "30")
     assert d.wait(90) == 0, (tmp_path / "stderr.log").read_text()[-2000:]
     rows, execs = _table(engine), executions(tmp_path)
     spawner = rows[sid]
