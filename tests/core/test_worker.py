@@ -21,9 +21,21 @@ class Recorder:
         self.spans: dict[int, tuple[float, float]] = {}
         self.runs: list[int] = []
 
-    def handler(self, sleep: float = 0.0):
+    def handler(self, sleep: float = 0.0, meet: int = 0):
+        """Each run sleeps ``sleep``; the first ``meet`` runs also wait (up to 30 s) until all of
+        them are running, so that they overlap however slowly a loaded machine starts threads
+        (a worker that cannot run them at once keeps the first waiting, and no overlap shows)."""
+        barrier = threading.Barrier(meet, timeout=30) if meet else None
+        arrived = [0]
+
         def run(ctx: jobq.JobContext):
             t0 = time.monotonic()
+            if barrier is not None:
+                with self.lock:
+                    arrived[0] += 1
+                    k = arrived[0]
+                if k <= meet:
+                    barrier.wait()
             if sleep:
                 time.sleep(sleep)
             with self.lock:
@@ -57,8 +69,8 @@ def test_cap_bounds_overlap_inside_one_worker(engine: sa.Engine) -> None:
     rec = Recorder()
     for _ in range(12):
         jobq.enqueue(engine, "slow")
-    w = jobq.Worker(engine, {"slow": rec.handler(0.05)}, max_concurrency=3, **FAST)
-    assert w.run_until_idle(timeout=30)
+    w = jobq.Worker(engine, {"slow": rec.handler(0.05, meet=2)}, max_concurrency=3, **FAST)
+    assert w.run_until_idle(timeout=60)
     assert len(rec.runs) == 12 and 2 <= peak_overlap(rec.spans.values()) <= 3
 
 

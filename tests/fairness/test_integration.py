@@ -21,9 +21,22 @@ class Spans:
         self.lock = threading.Lock()
         self.rows: list[tuple[str, float, float]] = []
 
-    def handler(self, seconds: float):
+    def handler(self, seconds: float, meet: dict[str, int] | None = None):
+        """Each run sleeps ``seconds``. With ``meet`` ({group: n}), the first n runs of the group
+        also wait (up to 30 s) until all n are running: that they can run at once is shown
+        however slowly a loaded machine starts threads; a worker that cannot run them at once
+        keeps the first waiting, and the peak shows it."""
+        barriers = {g: threading.Barrier(n, timeout=30) for g, n in (meet or {}).items()}
+        arrived: dict[str, int] = {}
+
         def run(ctx: jobq.JobContext) -> dict:
             t0 = time.monotonic()
+            barrier = barriers.get(ctx.group_key)
+            if barrier is not None:
+                with self.lock:
+                    arrived[ctx.group_key] = k = arrived.get(ctx.group_key, 0) + 1
+                if k <= barrier.parties:
+                    barrier.wait()
             time.sleep(seconds)
             with self.lock:
                 self.rows.append((ctx.group_key, t0, time.monotonic()))
@@ -109,7 +122,7 @@ def test_integration_per_group_cap_is_never_exceeded(engine: sa.Engine) -> None:
             jobq.enqueue(conn, "job", group_key="tenant")
             jobq.enqueue(conn, "job", group_key="other")
     spans = Spans()
-    _run_workers(engine, {"job": spans.handler(0.03)}, max_concurrency=5, group_caps={"tenant": 2})
+    _run_workers(engine, {"job": spans.handler(0.03, meet={"other": 3})}, max_concurrency=5, group_caps={"tenant": 2})
     assert len(spans.rows) == 60
     assert _peak(spans.rows, "tenant") <= 2
     assert _peak(spans.rows, "other") >= 3  # the cap binds the tenant only
