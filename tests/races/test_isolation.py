@@ -74,7 +74,7 @@ def _hold_claim_open(url: str, immediate: bool, inside: threading.Event, release
     def run(conn: sa.Connection, d: jobq._Dialect) -> None:
         conn.execute(sa.select(sa.func.count()).select_from(jobq.Job.__table__)).scalar_one()
         inside.set()
-        release.wait(10)
+        release.wait(60)  # past every window a test gives a claim that gets through meanwhile
 
     t = threading.Thread(target=lambda: (jobq._transaction(eng, run, immediate=immediate), eng.dispose()))
     t.start()
