@@ -40,14 +40,16 @@ def test_a_timed_out_attempt_then_success_shows_two_attempts_and_no_stale_error(
 
     def slow(ctx: jobq.JobContext):
         if ctx.attempt == 1:
-            # The retry is claimed with no timeout, so a loaded machine cannot time it out too;
-            # this attempt keeps the 0.3 s its lease was claimed with.
-            with engine.begin() as conn:
-                conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == ctx.id).values(timeout=None))
             release.wait(30)  # a stuck call that ignores ctx.stop_requested
         return {"attempt": ctx.attempt}
 
     def on_event(ev: jobq.Event) -> None:
+        if ev.action == "timed_out":
+            # In the loop's thread, after the timeout is written and before the same tick's
+            # claim: the retry is claimed with no timeout, so a loaded machine cannot time it
+            # out too (attempt 1 keeps the 0.3 s its lease was claimed with).
+            with engine.begin() as conn:
+                conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == ev.job_id).values(timeout=None))
         if ev.action == "finished":
             release.set()  # the retry is written: now the stuck first attempt returns, late
 

@@ -162,8 +162,9 @@ def test_containers_roll_up_done_or_failed(engine: sa.Engine) -> None:
 
 
 def _no_deadline_for_the_retry(engine: sa.Engine, job_id: int) -> None:
-    """From attempt 1's handler: the running attempt keeps the timeout its lease was claimed
-    with, and the retry is claimed with none, so a loaded machine cannot time it out too."""
+    """On the "timed_out" event (the loop's thread, after the timeout is written and before the
+    same tick's claim): the retry is claimed with no timeout, so a loaded machine cannot time
+    it out too. The attempt that timed out had its deadline from its own lease."""
     with engine.begin() as conn:
         conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == job_id).values(timeout=None))
 
@@ -178,7 +179,6 @@ def test_a_timed_out_dispatch_is_retried_and_its_late_result_dropped(engine: sa.
     def slow(ctx: jobq.JobContext):
         attempts.append(ctx.attempt)
         if ctx.attempt == 1:
-            _no_deadline_for_the_retry(engine, ctx.id)
             release.wait(30)  # ignores its stop signal, like a stuck network call
             return {"late": True}
         return {"late": False}
@@ -188,6 +188,8 @@ def test_a_timed_out_dispatch_is_retried_and_its_late_result_dropped(engine: sa.
 
     def on_event(ev: jobq.Event) -> None:
         events.append(ev)
+        if ev.action == "timed_out":
+            _no_deadline_for_the_retry(engine, ev.job_id)
         if ev.action == "finished" and ev.attempt == 2:
             release.set()  # the retry's result is written: now the stuck first attempt returns, late
 
