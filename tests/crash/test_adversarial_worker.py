@@ -25,11 +25,13 @@ def test_a_handler_that_lost_its_lease_keeps_its_slot_until_it_returns(engine: s
     other way freed it)."""
     gate = tmp_path / "gate"
     jid = jobq.enqueue(engine, "work", {"gate": str(gate)}, max_attempts=5)
-    a = start(db_url, tmp_path, "--concurrency", "1", "--ttl", "1.0")
+    # A's lease, and the slot A holds for its handler once the lease is lost, are renewed by
+    # heartbeats every ttl/3: 3 s, so that a stall of A during B's ticks cannot let the slot lapse.
+    a = start(db_url, tmp_path, "--concurrency", "1", "--ttl", "3.0")
     try:
         wait_file(tmp_path / f"started-{jid}-1")
         a.send_signal(signal.SIGSTOP)
-        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc), timeout=10, what="A's lease to expire")
+        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc), timeout=30, what="A's lease to expire")
         assert jobq.reclaim(engine) == 1
         a.send_signal(signal.SIGCONT)
         wait_for(lambda: ("lease_lost", jid) in events(tmp_path), timeout=30, what="A to learn it lost the lease")

@@ -98,11 +98,11 @@ def test_a_zombie_worker_cannot_heartbeat_or_finalize(engine: sa.Engine, db_url:
     heartbeat extending the lease B holds."""
     jid = jobq.enqueue(engine, "work", {"sleep": 1.5}, max_attempts=5)
     a = start(db_url, tmp_path, "--concurrency", "1", "--ttl", "1.0")
+    gate = __import__("threading").Event()
     try:
         wait_file(tmp_path / f"started-{jid}-1")
         a.send_signal(signal.SIGSTOP)
         wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc), timeout=10, what="A's lease to expire")
-        gate = __import__("threading").Event()
 
         def b_handler(ctx: jobq.JobContext) -> dict:
             gate.wait(60)
@@ -128,6 +128,7 @@ def test_a_zombie_worker_cannot_heartbeat_or_finalize(engine: sa.Engine, db_url:
         assert info is not None and info.state == "done" and info.result == {"by": "B", "attempt": 2}
         assert finalized(tmp_path)[jid] == 0  # A never committed a finalize
     finally:
+        gate.set()
         a.send_signal(signal.SIGCONT)
         a.kill()
         a.wait(10)
@@ -160,13 +161,18 @@ def test_sigterm_releases_unfinished_jobs_at_once(engine: sa.Engine, db_url: str
     quick = jobq.enqueue(engine, "work", {"sleep": 0.2})
     slow = jobq.enqueue(engine, "work", {"sleep": 60})
     waiting = jobq.enqueue(engine, "work", {"sleep": 0.01})
-    p = start(db_url, tmp_path, "--concurrency", "2", "--ttl", "30", "--shutdown-timeout", "1.0")
-    wait_file(tmp_path / f"started-{quick}-1")
-    wait_file(tmp_path / f"started-{slow}-1")
-    p.send_signal(signal.SIGTERM)
-    # The slow job sleeps 60 s: a worker that waited it out instead of giving up after the
-    # 1 s grace is still running at 50 s. No tighter bound: a slow machine is no fault.
-    assert p.wait(50) == 0
+    p = start(db_url, tmp_path, "--concurrency", "2", "--ttl", "30", "--shutdown-timeout", "5.0")
+    try:
+        wait_file(tmp_path / f"started-{quick}-1")
+        wait_file(tmp_path / f"started-{slow}-1")
+        p.send_signal(signal.SIGTERM)
+        # The slow job sleeps 60 s: a worker that waited it out instead of giving up after the
+        # 5 s grace is still running at 50 s. No tighter bound: a slow machine is no fault.
+        assert p.wait(50) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
     q, s = jobq.get(engine, quick), jobq.get(engine, slow)
     assert q is not None and s is not None
     assert q.state == "done"  # finished within the grace period
