@@ -253,11 +253,13 @@ def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.En
     if control is None:
         pytest.skip(f"needs a local {dialect} server that this test may stop and start, run as root (as in CI)")
     stop, start_server, ping = control
-    # Every job runs until the gate opens, after the restart: the worker cannot finish while
-    # the server is down, however long the server takes to stop.
+    # The first job runs until the gate opens, after the restart: the worker cannot finish
+    # while the server is down, however long the server takes to stop. The others (50 ms each,
+    # on the other two slots) keep outcomes and their commits in flight when it goes.
     gate = tmp_path / "gate"
     with engine.begin() as conn:
-        ids = [jobq.enqueue(conn, "work", {"gate": str(gate)}, max_attempts=10) for _ in range(200)]
+        ids = [jobq.enqueue(conn, "work", {"gate": str(gate)}, max_attempts=10)]
+        ids += [jobq.enqueue(conn, "work", {"sleep": 0.05}, max_attempts=10) for _ in range(199)]
     engine.dispose()
     p = start(db_url, tmp_path, "--concurrency", "3", "--ttl", "3.0", "--until-idle", "180")
     try:
@@ -341,25 +343,31 @@ def test_real_deadlocks_are_classified_retryable(engine: sa.Engine) -> None:
 def test_claim_retry_gives_up_cleanly_when_the_database_stays_locked(engine: sa.Engine, db_url: str) -> None:
     """A database that never frees its lock: the error surfaces after bounded retries (no hot
     loop, no endless wait) and the queue is unchanged. A bug shows as more than TX_RETRIES
-    retries, a retry without a pause before it, or a job that is no longer claimable once the
-    lock is freed. (An endless wait never returns: the suite's per-test timeout reports it.)"""
+    retries (the pause before the one too many raises), a retry without a pause before it
+    (transactions begun against pauses taken), or a job that is no longer claimable once the
+    lock is freed."""
     jobq.enqueue(engine, "t")
     c = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
     c.execute("BEGIN IMMEDIATE")
     old, pause = jobq.SQLITE_BUSY_TIMEOUT_MS, jobq._pause_for
     pauses: list[float] = []
+    begins: list[int] = []
 
     def counted(engine: sa.Engine, seconds: float) -> None:
         pauses.append(seconds)
+        if len(pauses) > jobq.TX_RETRIES:
+            raise AssertionError(f"a retry past TX_RETRIES={jobq.TX_RETRIES}")
         pause(engine, seconds)
 
+    fresh = sa.create_engine(db_url)
+    sa.event.listen(fresh, "begin", lambda conn: begins.append(1))
     try:
         jobq.SQLITE_BUSY_TIMEOUT_MS = 10
         jobq._pause_for = counted  # type: ignore[assignment]
-        fresh = sa.create_engine(db_url)
         with pytest.raises(sa.exc.OperationalError):
             jobq.claim(fresh, "w", 30)
-        assert 0 < len(pauses) <= jobq.TX_RETRIES and min(pauses) > 0, pauses
+        assert pauses and min(pauses) > 0, pauses
+        assert len(begins) == len(pauses) + 1, (len(begins), pauses)  # a pause before every retry
     finally:
         jobq._pause_for = pause  # type: ignore[assignment]
         jobq.SQLITE_BUSY_TIMEOUT_MS = old
