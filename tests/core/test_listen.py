@@ -60,6 +60,18 @@ def _count_ticks(worker: jobq.Worker) -> list[float]:
     return ends
 
 
+def _quiet(ticks: list[float], seconds: float) -> None:
+    """Return once the worker has not ticked for ``seconds`` (a tick delayed past that on a
+    loaded machine can only let a broken notification go unseen, never fail a working one)."""
+    deadline = time.monotonic() + 30
+    n, since = len(ticks), time.monotonic()
+    while time.monotonic() - since < seconds:
+        assert time.monotonic() < deadline, "the idle worker kept ticking"
+        time.sleep(0.02)
+        if len(ticks) != n:
+            n, since = len(ticks), time.monotonic()
+
+
 @only("postgresql")  # NOTIFY is PostgreSQL's
 def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
     """A listening worker with an hour's poll, idle: a newly enqueued job, and a dependent released
@@ -77,8 +89,14 @@ def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine)
                  what="the worker to LISTEN and go idle")
         jid = jobq.enqueue(engine, "t")
         wait_for(lambda: jid in started.at, timeout=40, what="the notified worker to start the job")
-        up = jobq.enqueue(engine, "t")  # a dependent released by a finalize is notified too
+        # A dependent released by a finalize is notified too. The finalize is another
+        # process's (here the test's, of a type this worker does not run): the worker's own
+        # finalize claims in the same transaction and would start the dependent unnotified.
+        up = jobq.enqueue(engine, "elsewhere")
         down = jobq.enqueue(engine, "t", depends_on=[up])
+        assert jobq.claim(engine, "the-test", 30, types=["elsewhere"]) == up
+        _quiet(ticks, 3 * jobq._NOTIFY_RECHECK)  # its look after up's notification is over
+        jobq.finalize(engine, up, {"ok": True}, worker_id="the-test")
         wait_for(lambda: down in started.at, timeout=40, what="the released dependent to start")
     finally:
         w.stop()
