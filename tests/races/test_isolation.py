@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
@@ -183,24 +184,11 @@ def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str
     timeout in force, not a default (each wait on the wake-up pipe asks for no more than it),
     and lasts at least that long."""
     import fcntl
-    import select
 
     monkeypatch.setattr(jobq, "SQLITE_BUSY_TIMEOUT_MS", 300)
     monkeypatch.setattr(jobq, "_WAKE_POLL_S", 60.0)  # so only the deadline can bound a wait
-    real, asked = select.poll, []
-
-    class Recorded:
-        def __init__(self) -> None:
-            self.poller = real()
-
-        def register(self, *args: int) -> None:
-            self.poller.register(*args)
-
-        def poll(self, timeout: float) -> list[tuple[int, int]]:
-            asked.append(timeout)
-            return self.poller.poll(timeout)
-
-    monkeypatch.setattr(select, "poll", Recorded)
+    asked: list[float] = []
+    _on_each_wait(monkeypatch, asked.append)
     eng = sa.create_engine(db_url)
     jid = jobq.enqueue(eng, "t")
     path = db_url.removeprefix("sqlite:///") + "-jobq.lock"
@@ -218,13 +206,12 @@ def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str
     assert waited >= 0.25
 
 
-def _watch_the_wait(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.Event:
-    """An event set when a jobq transaction waits on the lock file's wake-up pipe for the
-    ``nth`` time (select.poll's poll, wrapped): the first wait, or (2) the first after the
-    waiter's first look at the pipe, and its read, are over."""
+def _on_each_wait(monkeypatch: pytest.MonkeyPatch, seen: Callable[[float], None]) -> None:
+    """Call ``seen(timeout in ms)`` each time a jobq transaction waits on the lock file's
+    wake-up pipe (select.poll's poll, wrapped), before the wait."""
     import select
 
-    real, waiting, calls = select.poll, threading.Event(), [0]
+    real = select.poll
 
     class Watched:
         def __init__(self) -> None:
@@ -234,12 +221,24 @@ def _watch_the_wait(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.
             self.poller.register(*args)
 
         def poll(self, timeout: float) -> list[tuple[int, int]]:
-            calls[0] += 1
-            if calls[0] >= nth:
-                waiting.set()
+            seen(timeout)
             return self.poller.poll(timeout)
 
     monkeypatch.setattr(select, "poll", Watched)
+
+
+def _watch_the_wait(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.Event:
+    """An event set when a jobq transaction waits on the lock file's wake-up pipe for the
+    ``nth`` time: the first wait, or (2) the first after the waiter's first look at the pipe,
+    and its read, are over."""
+    waiting, calls = threading.Event(), [0]
+
+    def seen(timeout: float) -> None:
+        calls[0] += 1
+        if calls[0] >= nth:
+            waiting.set()
+
+    _on_each_wait(monkeypatch, seen)
     return waiting
 
 
