@@ -6,6 +6,7 @@ harness runs in claimer processes and is owned with the race suite.)"""
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,6 +25,31 @@ REPORT: list[str] = []
 #: Worker options for tests that want a quick queue: tight polling, a lease no test outlives,
 #: retries without back-off.
 FAST: dict[str, Any] = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
+
+
+def meeting(n: int, timeout: float = 30.0) -> Callable[[], None]:
+    """A call for handlers to make on entry: the first ``n`` calls wait (up to ``timeout``) until
+    all ``n`` have been made, later calls return at once. Runs that can overlap then do,
+    however slowly a loaded machine starts threads; a worker that cannot run ``n`` at once
+    keeps the first waiting, and no overlap shows (the barrier breaks after ``timeout``)."""
+    barrier, lock, arrived = threading.Barrier(n, timeout=timeout), threading.Lock(), [0]
+
+    def arrive() -> None:
+        with lock:
+            arrived[0] += 1
+            first = arrived[0] <= n
+        if first:
+            barrier.wait()
+
+    return arrive
+
+
+def no_deadline_for_the_retry(engine: sa.Engine, job_id: int) -> None:
+    """For a worker's "timed_out" event (sent in the loop's thread after the timeout is written
+    and before the same tick's claim): the retry is claimed with no timeout, so a loaded machine
+    cannot time it out too. The attempt that timed out had its deadline from its own lease."""
+    with engine.begin() as conn:
+        conn.execute(sa.update(jobs).where(jobs.c.id == job_id).values(timeout=None))
 
 
 def snapshot(engine: sa.Engine) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:

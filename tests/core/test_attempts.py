@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import FAST, db_now
+from helpers import FAST, db_now, no_deadline_for_the_retry
 
 S = dt.timedelta(seconds=1)
 
@@ -45,11 +45,7 @@ def test_a_timed_out_attempt_then_success_shows_two_attempts_and_no_stale_error(
 
     def on_event(ev: jobq.Event) -> None:
         if ev.action == "timed_out":
-            # In the loop's thread, after the timeout is written and before the same tick's
-            # claim: the retry is claimed with no timeout, so a loaded machine cannot time it
-            # out too (attempt 1 keeps the 0.3 s its lease was claimed with).
-            with engine.begin() as conn:
-                conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == ev.job_id).values(timeout=None))
+            no_deadline_for_the_retry(engine, ev.job_id)  # attempt 1 keeps its 0.3 s
         if ev.action == "finished":
             release.set()  # the retry is written: now the stuck first attempt returns, late
 

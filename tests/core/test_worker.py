@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import FAST, db_now, peak_overlap, state, wait_for
+from helpers import FAST, db_now, meeting, no_deadline_for_the_retry, peak_overlap, state, wait_for
 
 
 class Recorder:
@@ -22,20 +22,14 @@ class Recorder:
         self.runs: list[int] = []
 
     def handler(self, sleep: float = 0.0, meet: int = 0):
-        """Each run sleeps ``sleep``; the first ``meet`` runs also wait (up to 30 s) until all of
-        them are running, so that they overlap however slowly a loaded machine starts threads
-        (a worker that cannot run them at once keeps the first waiting, and no overlap shows)."""
-        barrier = threading.Barrier(meet, timeout=30) if meet else None
-        arrived = [0]
+        """Each run sleeps ``sleep``; the first ``meet`` runs also wait until all of them are
+        running (helpers.meeting)."""
+        arrive = meeting(meet) if meet else None
 
         def run(ctx: jobq.JobContext):
             t0 = time.monotonic()
-            if barrier is not None:
-                with self.lock:
-                    arrived[0] += 1
-                    k = arrived[0]
-                if k <= meet:
-                    barrier.wait()
+            if arrive is not None:
+                arrive()
             if sleep:
                 time.sleep(sleep)
             with self.lock:
@@ -161,14 +155,6 @@ def test_containers_roll_up_done_or_failed(engine: sa.Engine) -> None:
     assert jobq.get(engine, bad).attempts == 0  # type: ignore[union-attr]
 
 
-def _no_deadline_for_the_retry(engine: sa.Engine, job_id: int) -> None:
-    """On the "timed_out" event (the loop's thread, after the timeout is written and before the
-    same tick's claim): the retry is claimed with no timeout, so a loaded machine cannot time
-    it out too. The attempt that timed out had its deadline from its own lease."""
-    with engine.begin() as conn:
-        conn.execute(sa.update(jobq.Job.__table__).where(jobq.Job.__table__.c.id == job_id).values(timeout=None))
-
-
 def test_a_timed_out_dispatch_is_retried_and_its_late_result_dropped(engine: sa.Engine) -> None:
     """A handler that ignores its stop signal runs past its timeout: the job is retried, the retry's
     result is stored, and the first attempt's result, returned only after the retry finished, is
@@ -189,7 +175,7 @@ def test_a_timed_out_dispatch_is_retried_and_its_late_result_dropped(engine: sa.
     def on_event(ev: jobq.Event) -> None:
         events.append(ev)
         if ev.action == "timed_out":
-            _no_deadline_for_the_retry(engine, ev.job_id)
+            no_deadline_for_the_retry(engine, ev.job_id)
         if ev.action == "finished" and ev.attempt == 2:
             release.set()  # the retry's result is written: now the stuck first attempt returns, late
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 import random
 import signal
+import threading
 
 import pytest
 import sqlalchemy as sa
@@ -98,7 +99,7 @@ def test_a_zombie_worker_cannot_heartbeat_or_finalize(engine: sa.Engine, db_url:
     heartbeat extending the lease B holds."""
     jid = jobq.enqueue(engine, "work", {"sleep": 1.5}, max_attempts=5)
     a = start(db_url, tmp_path, "--concurrency", "1", "--ttl", "1.0")
-    gate = __import__("threading").Event()
+    gate = threading.Event()
     try:
         wait_file(tmp_path / f"started-{jid}-1")
         a.send_signal(signal.SIGSTOP)

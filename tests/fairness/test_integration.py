@@ -9,7 +9,7 @@ import time
 import sqlalchemy as sa
 
 import jobq
-from helpers import REPORT, most_surely_in_window, peak_overlap, wait_for
+from helpers import REPORT, meeting, most_surely_in_window, peak_overlap, wait_for
 
 # Microsecond rounding of logged times and drift between the database's clock and this
 # machine's monotonic one over a window; not an allowance for delays (see ClaimSpans).
@@ -23,20 +23,14 @@ class Spans:
 
     def handler(self, seconds: float, meet: dict[str, int] | None = None):
         """Each run sleeps ``seconds``. With ``meet`` ({group: n}), the first n runs of the group
-        also wait (up to 30 s) until all n are running: that they can run at once is shown
-        however slowly a loaded machine starts threads; a worker that cannot run them at once
-        keeps the first waiting, and the peak shows it."""
-        barriers = {g: threading.Barrier(n, timeout=30) for g, n in (meet or {}).items()}
-        arrived: dict[str, int] = {}
+        also wait until all n are running (helpers.meeting)."""
+        arrivals = {g: meeting(n) for g, n in (meet or {}).items()}
 
         def run(ctx: jobq.JobContext) -> dict:
             t0 = time.monotonic()
-            barrier = barriers.get(ctx.group_key)
-            if barrier is not None:
-                with self.lock:
-                    arrived[ctx.group_key] = k = arrived.get(ctx.group_key, 0) + 1
-                if k <= barrier.parties:
-                    barrier.wait()
+            arrive = arrivals.get(ctx.group_key)
+            if arrive is not None:
+                arrive()
             time.sleep(seconds)
             with self.lock:
                 self.rows.append((ctx.group_key, t0, time.monotonic()))

@@ -3,6 +3,8 @@ SQLITE_BUSY on SQLite, and workers with different handler sets sharing one datab
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
 import sqlite3
 import subprocess
@@ -251,8 +253,6 @@ def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: st
     The longest wait on the pipe is set to a minute here, so a waiter nobody wakes is still
     waiting when the test looks. The broken variant (the holder lets go without writing) shows
     that the test sees it."""
-    import contextlib
-    import os
 
     monkeypatch.setattr(jobq, "_WAKE_POLL_S", 60.0)
     monkeypatch.setattr(jobq, "SQLITE_BUSY_TIMEOUT_MS", 120_000)  # no giving up on the file meanwhile
@@ -311,7 +311,6 @@ def test_the_wait_for_the_lock_file_works_with_a_pipe_past_descriptor_1023(db_ur
     """A process with many files open (a server's sockets) gets a pipe descriptor past 1023,
     out of select()'s range (ValueError): the waiter polls instead, and the hand-over works."""
     import fcntl
-    import os
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -357,9 +356,7 @@ def test_a_waiter_empties_the_pipe_of_bytes_nobody_waited_for(db_url: str, diale
     """Every release writes a byte, and while nobody waits they pile up in the pipe. A waiter
     reads them all at its first look: left there, they would make every later wait return at
     once, a busy loop for as long as the file is held."""
-    import contextlib
     import fcntl
-    import os
 
     eng = sa.create_engine(db_url)
     files = jobq._sqlite_lockfile(eng)
@@ -441,7 +438,6 @@ def test_the_lock_files_descriptors_are_closed_only_by_their_own_engine(db_url: 
     transaction (an exit handler's file could take the number, and get the unlock or a wake-up
     byte), and not by a forked child's copy of the parent's finalizer, after the child reused
     the numbers for its own files."""
-    import os
 
     script = tmp_path / "lifecycle.py"
     script.write_text(textwrap.dedent(_LIFECYCLE))
