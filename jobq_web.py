@@ -11,9 +11,10 @@ framework (see the README's "Dashboard" section).
 Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list with filters and
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
 ``/groups``. Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
-``/groups/<name>/pause``, ``/groups/<name>/resume``) need the token (a session cookie from
-``/login``, or ``Authorization: Bearer <token>``) and, with the cookie, a CSRF field; without a
-token the dashboard is read-only.
+``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``)
+need the token (a session cookie from ``/login``, or ``Authorization: Bearer <token>``) and,
+with the cookie, a CSRF field; without a token the dashboard is read-only. A GET of an
+action's address offers the action as a button (where signing in after a refused one leads).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import html
 import importlib
 import json
 import logging
+import re
 import sys
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -405,14 +407,38 @@ _SECURITY_HEADERS = [
 # =============================================================================================
 
 
+#: C0 and C1 control characters and DEL: never in a header, a name or a filter.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _wsgi_text(value: Any) -> str:
+    """A WSGI string as the text it spells: PEP 3333 hands over a request's bytes read as
+    latin-1 (PATH_INFO already percent-decoded), and URLs carry UTF-8. A string that is not
+    such bytes (a server that decoded it already) is taken as it is."""
+    text = str(value or "")
+    try:
+        return text.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return text
+
+
 class _Request:
     def __init__(self, environ: Mapping[str, Any]) -> None:
         self.environ = environ
         self.method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        self.path = str(environ.get("PATH_INFO", "") or "/")
-        self.base = str(environ.get("SCRIPT_NAME", "")).rstrip("/")
-        self.query = urllib.parse.parse_qs(str(environ.get("QUERY_STRING", "")), keep_blank_values=False)
+        self.path = _wsgi_text(environ.get("PATH_INFO")) or "/"
+        self.base = urllib.parse.quote(_wsgi_text(environ.get("SCRIPT_NAME")).rstrip("/"))
+        self.pairs = urllib.parse.parse_qsl(_wsgi_text(environ.get("QUERY_STRING")))
+        self.query: dict[str, list[str]] = {}
+        for k, v in self.pairs:
+            self.query.setdefault(k, []).append(v)
         self._form: dict[str, list[str]] | None = None
+
+    @property
+    def here(self) -> str:
+        """This address (path and query, without the flash message) as a path on this site."""
+        query = urllib.parse.urlencode([(k, v) for k, v in self.pairs if k != "done"])
+        return urllib.parse.quote(self.path) + (f"?{query}" if query else "")
 
     def arg(self, name: str) -> str | None:
         values = self.query.get(name)
@@ -420,16 +446,13 @@ class _Request:
 
     def form(self) -> dict[str, list[str]]:
         if self._form is None:
-            try:
-                n = min(int(self.environ.get("CONTENT_LENGTH") or 0), 64 * 1024)
-            except ValueError:
-                n = 0
+            n = min(_ascii_int(str(self.environ.get("CONTENT_LENGTH") or "").strip()) or 0, 64 * 1024)
             body = self.environ["wsgi.input"].read(n) if n > 0 else b""
             self._form = urllib.parse.parse_qs(body.decode("utf-8", "replace"))
         return self._form
 
     def cookie(self, name: str) -> str | None:
-        for part in str(self.environ.get("HTTP_COOKIE", "")).split(";"):
+        for part in _wsgi_text(self.environ.get("HTTP_COOKIE")).split(";"):
             k, _, v = part.strip().partition("=")
             if k == name:
                 return v
@@ -475,13 +498,12 @@ class Dashboard:
 
     def _session_ok(self, req: _Request) -> bool:
         value = req.cookie(_SESSION_COOKIE)
-        return self.token is not None and value is not None and hmac.compare_digest(value, self._mac("session"))
+        return self.token is not None and value is not None and _same_secret(value, self._mac("session"))
 
     def _bearer_ok(self, req: _Request) -> bool:
-        auth = str(req.environ.get("HTTP_AUTHORIZATION", ""))
+        auth = _wsgi_text(req.environ.get("HTTP_AUTHORIZATION"))
         scheme, _, value = auth.partition(" ")
-        return self.token is not None and scheme.lower() == "bearer" and hmac.compare_digest(
-            value.strip().encode(), self.token.encode())
+        return self.token is not None and scheme.lower() == "bearer" and _same_secret(value.strip(), self.token)
 
     def _csrf(self) -> str:
         return self._mac("csrf")
@@ -491,19 +513,30 @@ class Dashboard:
         if not origin or origin == "null":
             return origin is None
         host = req.environ.get("HTTP_HOST") or req.environ.get("SERVER_NAME", "")
-        return urllib.parse.urlsplit(str(origin)).netloc == host
+        try:
+            return urllib.parse.urlsplit(str(origin)).netloc == host
+        except ValueError:  # not a URL ("http://["): not this site
+            return False
 
     def _authorize(self, req: _Request) -> None:
         """Raise 401/403 unless the request may act: 403 on a read-only dashboard, 401 without
-        the token, 403 without a valid CSRF field or from another origin (cookie sessions)."""
+        a credential or with a wrong one (saying which), 403 without a valid CSRF field or from
+        another origin (cookie sessions)."""
         if self.token is None:
             raise _HttpError(403, "this dashboard is read-only: start it with --token (or JOBQ_DASHBOARD_TOKEN) to allow actions")
         if self._bearer_ok(req):
             return
+        auth = _wsgi_text(req.environ.get("HTTP_AUTHORIZATION"))
+        if auth:
+            if auth.partition(" ")[0].lower() != "bearer":
+                raise _HttpError(401, "the Authorization header must be 'Bearer <token>'")
+            raise _HttpError(401, "wrong token: the bearer token is not this dashboard's")
         if not self._session_ok(req):
+            if req.cookie(_SESSION_COOKIE):
+                raise _HttpError(401, "the session is not valid for this dashboard (was its token changed?): sign in again")
             raise _HttpError(401, "sign in with the dashboard token first (or send Authorization: Bearer <token>)")
         field = (req.form().get("csrf") or [""])[-1]
-        if not hmac.compare_digest(field.encode(), self._csrf().encode()) or not self._same_origin(req):
+        if not _same_secret(field, self._csrf()) or not self._same_origin(req):
             raise _HttpError(403, "the request failed its CSRF check: reload the page and try again")
 
     # ---- WSGI
@@ -511,20 +544,28 @@ class Dashboard:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         req = _Request(environ)
         try:
+            status, headers, body = self._respond(req)
+        except Exception:  # a bug while drawing the error page itself: a line of plain text
+            logger.error("jobq dashboard: internal error on %s %r", req.method, req.path, exc_info=True)
+            status, headers, body = 500, [("Content-Type", "text/plain; charset=utf-8")], b"internal error: please report it\n"
+        start_response(f"{status} {_REASONS.get(status, 'Error')}", [
+            (k, _header_value(v)) for k, v in headers + _SECURITY_HEADERS + [("Content-Length", str(len(body)))]])
+        return [b"" if req.method == "HEAD" else body]
+
+    def _respond(self, req: _Request) -> _Response:
+        try:
             status, headers, body = self._route(req)
         except _HttpError as exc:
             status, headers, body = self._error(req, exc.status, exc.message)
         except (sa.exc.SQLAlchemyError, jobq.JobqError, OSError) as exc:
-            logger.warning("jobq dashboard: database error on %s %s: %s: %s", req.method, req.path,
+            logger.warning("jobq dashboard: database error on %s %r: %s: %s", req.method, req.path,
                            type(exc).__name__, self._scrub(jobq._one_line(getattr(exc, "orig", None) or exc)))
             status, headers, body = self._error(
                 req, 503, f"the database did not answer ({type(exc).__name__}); the server log has the details")
         except Exception as exc:  # a bug: one line to the page, the traceback to the log only
-            logger.error("jobq dashboard: internal error on %s %s", req.method, req.path, exc_info=True)
+            logger.error("jobq dashboard: internal error on %s %r", req.method, req.path, exc_info=True)
             status, headers, body = self._error(req, 500, f"internal error ({type(exc).__name__}): please report it")
-        start_response(f"{status} {_REASONS.get(status, 'Error')}", headers + _SECURITY_HEADERS
-                       + [("Content-Length", str(len(body)))])
-        return [b"" if req.method == "HEAD" else body]
+        return status, headers, body
 
     def _scrub(self, text: str) -> str:
         for s in self._secrets:
@@ -543,12 +584,20 @@ class Dashboard:
             return self._static(parts[1])
         if not api and parts in (["login"], ["logout"]):
             return self._login(req, parts[0])
+        job_action = len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("retry", "cancel")
+        group_action = len(parts) >= 2 and parts[0] == "groups" and parts[-1] in ("pause", "resume")
         if post:
-            if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("retry", "cancel"):
+            if job_action:
                 return self._job_action(req, _job_id(parts[1]), parts[2])
-            if len(parts) == 3 and parts[0] == "groups" and parts[2] in ("pause", "resume"):
-                return self._group_action(req, parts[1], parts[2])
+            if group_action:
+                return self._group_action(req, _group_name(req, parts), parts[-1])
             raise _HttpError(405 if self._known_get(parts, api) else 404, f"no action at {req.path}")
+        if (job_action or group_action) and (req.wants_json or self.token is None):
+            raise _HttpError(405, "actions are POST requests")
+        if job_action:  # where signing in after a refused action leads: the action offered again
+            return self._offer_job_action(req, _job_id(parts[1]), parts[2])
+        if group_action:
+            return self._offer_group_action(req, _group_name(req, parts), parts[-1])
         if parts in ([], ["overview"]) and (api or not parts):
             data = overview(self.engine)
             return self._json(data) if api else self._page(req, "Overview", self._overview_html(req, data), "/")
@@ -562,15 +611,11 @@ class Dashboard:
                 raise _HttpError(404, f"no job with id {job_id}")
             return self._json(detail) if api else self._page(req, f"Job {job_id}", self._job_html(req, detail), "/jobs")
         if parts == ["groups"]:
-            after = req.arg("after")
-            if after is not None and len(after) > jobq.MAX_NAME_LENGTH:
-                raise _HttpError(400, f"after is at most {jobq.MAX_NAME_LENGTH} characters")
+            after = _name_arg(req, "after")
             # The JSON twin lists every group unless asked for a page (as before paging existed).
             data = group_page(self.engine, after=after,
                               limit=_int_arg(req, "limit", None if api else GROUPS_PAGE, 1, _MAX_PAGE))
             return self._json(data) if api else self._page(req, "Groups", self._groups_html(req, data), "/groups")
-        if any(p in ("retry", "cancel", "pause", "resume") for p in parts[2:3]):
-            raise _HttpError(405, "actions are POST requests")
         raise _HttpError(404, f"no page at {req.path}")
 
     @staticmethod
@@ -588,13 +633,10 @@ class Dashboard:
         now = _db_now(self.engine) if req.arg("since") or req.arg("until") else None
         since = _time_arg(req, "since", now)
         until = _time_arg(req, "until", now)
-        for name in ("type", "group"):
-            v = req.arg(name)
-            if v is not None and len(v) > jobq.MAX_NAME_LENGTH:
-                raise _HttpError(400, f"{name} is at most {jobq.MAX_NAME_LENGTH} characters")
-        data = job_list(self.engine, state=state, type=req.arg("type"), group=req.arg("group"), since=since,
+        type_, group = _name_arg(req, "type"), _name_arg(req, "group")
+        data = job_list(self.engine, state=state, type=type_, group=group, since=since,
                         until=until, before=before, limit=limit)
-        data["filters"] = {"state": state, "type": req.arg("type"), "group": req.arg("group"),
+        data["filters"] = {"state": state, "type": type_, "group": group,
                            "since": req.arg("since"), "until": req.arg("until"), "limit": limit, "before": before}
         return data
 
@@ -606,14 +648,21 @@ class Dashboard:
             outcome: Any = jobq.retry(self.engine, job_id) if action == "retry" else jobq.cancel(self.engine, job_id)
         except jobq.InvalidJob as exc:
             raise _HttpError(409, jobq._one_line(exc)) from None
-        message = (f"re-opened {', '.join(map(str, outcome))}" if action == "retry" else f"job {job_id}: {outcome}")
+        if action == "retry":
+            message = f"re-opened {', '.join(map(str, outcome))}"
+        elif outcome in jobq._LIVE:  # the handler is asked to stop; the job is not cancelled yet
+            message = f"job {job_id}: cancel requested; it ends cancelled when its handler returns"
+        elif outcome in ("done", "failed"):
+            raise _HttpError(409, f"job {job_id} is {outcome} already: there is nothing to cancel")
+        else:
+            message = f"job {job_id}: {outcome}"
         logger.info("jobq dashboard: %s job %d: %s", action, job_id, message)
         if req.wants_json:
             return self._json({"id": job_id, "action": action, "result": outcome, "message": message})
         return _redirect(f"{req.base}/jobs/{job_id}?{urllib.parse.urlencode({'done': message})}")
 
     def _group_action(self, req: _Request, group: str, action: str) -> _Response:
-        self._authorize(req)  # (PATH_INFO arrives decoded: the group name as written)
+        self._authorize(req)
         try:
             jobq.set_group(self.engine, group, paused=action == "pause")
         except (jobq.InvalidJob, jobq.ConfigError) as exc:
@@ -622,6 +671,59 @@ class Dashboard:
         if req.wants_json:
             return self._json({"group": group, "action": action, "message": message})
         return _redirect(f"{req.base}/groups?{urllib.parse.urlencode({'done': message})}")
+
+    def _offer_job_action(self, req: _Request, job_id: int, action: str) -> _Response:
+        """The page at a job action's address (a GET): the job, and the action's button if it
+        applies. Signing in after a refused action lands here, not on a 405."""
+        info = jobq.get(self.engine, job_id)
+        if info is None:
+            raise _HttpError(404, f"no job with id {job_id}")
+        b = _e(req.base)
+        buttons = self._job_buttons(req, info.id, info.state, info.cancel_requested, only=action)
+        if not buttons:
+            buttons = f'<p class="muted" id="not-offered">job {job_id} is {_e(info.state)}: there is nothing to {action}.</p>'
+        body = (f"<h1>{action.capitalize()} job {job_id}</h1>"
+                f'<p>job {job_id} (<span id="type">{_e(info.type)}</span>, group {_e(info.group_key)}) is '
+                f'{_state(info.state)}{_cancel_badge(info.state, info.cancel_requested)}</p>'
+                f'<p class="why" id="why">{_e(jobq.why(self.engine, job_id))}</p>{buttons}'
+                f'<p><a href="{b}/jobs/{job_id}">job {job_id}&#39;s page</a></p>')
+        return self._page(req, f"{action.capitalize()} job {job_id}", body, "/jobs")
+
+    def _offer_group_action(self, req: _Request, group: str, action: str) -> _Response:
+        """The page at a group action's address (a GET): the group's pause state and the button."""
+        try:
+            policy = jobq.get_group(self.engine, group)
+        except jobq.InvalidJob as exc:
+            raise _HttpError(400, jobq._one_line(exc)) from None
+        b = _e(req.base)
+        paused = bool(policy and policy.paused)
+        query = _e(urllib.parse.urlencode({"group": group}))
+        body = (f"<h1>{action.capitalize()} group {_e(group)}</h1>"
+                f'<p id="group-state">group {_e(group)} is {"paused" if paused else "not paused"}.</p>'
+                f"<p>{self._group_button(req, group, action, action)}</p>"
+                f'<p><a href="{b}/jobs?{query}">its jobs</a> &middot; <a href="{b}/groups">all groups</a></p>')
+        return self._page(req, f"{action.capitalize()} group {group}", body, "/groups")
+
+    def _group_button(self, req: _Request, group: str, action: str, button_id: str = "") -> str:
+        # The name travels in the query: a path would arrive percent-decoded, split at any "/".
+        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
+        query = _e(urllib.parse.urlencode({"group": group}))
+        ident = f' id="{button_id}"' if button_id else ""
+        return (f'<form class="inline" method="post" action="{_e(req.base)}/groups/{action}?{query}">{csrf}'
+                f'<button type="submit"{ident}>{action}</button></form>')
+
+    def _job_buttons(self, req: _Request, job_id: int, state: str, cancel_requested: bool, only: str | None = None) -> str:
+        """The Retry and Cancel buttons that apply to a job in ``state`` (or only ``only``)."""
+        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
+        b = _e(req.base)
+        buttons = []
+        if state in ("failed", "cancelled") and only in (None, "retry"):
+            buttons.append(f'<form class="inline" method="post" action="{b}/jobs/{job_id}/retry">{csrf}'
+                           '<button type="submit" id="retry">Retry</button></form>')
+        if state not in jobq.TERMINAL and not cancel_requested and only in (None, "cancel"):
+            buttons.append(f'<form class="inline" method="post" action="{b}/jobs/{job_id}/cancel">{csrf}'
+                           '<button type="submit" id="cancel">Cancel</button></form>')
+        return "<p>" + " ".join(buttons) + "</p>" if buttons else ""
 
     def _login(self, req: _Request, which: str) -> _Response:
         expire = f"{_SESSION_COOKIE}=; Path={req.base or '/'}; Max-Age=0; HttpOnly; SameSite=Strict"
@@ -635,15 +737,14 @@ class Dashboard:
             given = (req.form().get("token") or [""])[-1]
             if not self._same_origin(req):
                 raise _HttpError(403, "sign-in from another site refused")
-            if hmac.compare_digest(given.encode(), self.token.encode()):
+            if _same_secret(given, self.token):
                 cookie = (f"{_SESSION_COOKIE}={self._mac('session')}; Path={req.base or '/'}; HttpOnly; "
                           "SameSite=Strict" + ("; Secure" if req.environ.get("wsgi.url_scheme") == "https" else ""))
-                back = (req.form().get("next") or [""])[-1]
-                back = back if back.startswith("/") and not back.startswith("//") else "/"
+                back = _local_path((req.form().get("next") or [""])[-1])
                 return 303, [("Location", f"{req.base}{back}"), ("Set-Cookie", cookie), ("Content-Type", "text/plain")], b""
             logger.warning("jobq dashboard: a sign-in with a wrong token")
             raise _HttpError(401, "wrong token")
-        nxt = req.arg("next") or "/"
+        nxt = _local_path(req.arg("next"))
         body = (f'<h1>Sign in</h1><form method="post" action="{_e(req.base)}/login">'
                 f'<input type="hidden" name="next" value="{_e(nxt)}">'
                 '<label>Dashboard token <input type="password" name="token" id="token" autofocus></label> '
@@ -670,7 +771,7 @@ class Dashboard:
             return self._json({"error": message, "status": status}, status)
         body = f'<h1>{status} {_e(_REASONS.get(status, "Error"))}</h1><p class="error" id="error">{_e(message)}</p>'
         if status == 401 and self.token is not None:
-            body += f'<p><a href="{_e(req.base)}/login?next={_e(urllib.parse.quote(req.path))}">Sign in</a></p>'
+            body += f'<p><a href="{_e(req.base)}/login?next={_e(urllib.parse.quote(req.here))}">Sign in</a></p>'
         _, headers, page = self._page(req, f"{status} {_REASONS.get(status, 'Error')}", body, "")
         return status, headers, page
 
@@ -684,7 +785,7 @@ class Dashboard:
             who = (f'<form class="inline" method="post" action="{b}/logout">signed in '
                    '<button type="submit">sign out</button></form>')
         else:
-            who = f'<a href="{b}/login?next={_e(urllib.parse.quote(req.path))}">sign in</a>'
+            who = f'<a href="{b}/login?next={_e(urllib.parse.quote(req.here))}">sign in</a>'
         live = ('<label id="live" hidden><input type="checkbox" checked> live</label>'
                 if req.method == "GET" else "")
         flash = req.arg("done")
@@ -737,7 +838,7 @@ class Dashboard:
                 f'<p class="muted">{_state("done")} {_state("failed")} {_state("cancelled")}</p>'
                 f"<h2>Queue</h2>{facts_html}<h2>Groups</h2>{groups}"
                 '<p class="muted">Weight: stored with set_group, else the largest among the group\'s due jobs. '
-                "Cap and rate limits are the workers' options unless group policy is stored in the database. "
+                "Cap, rate and pause: the group's stored policy; a worker's own --cap and --rate apply too. "
                 "Served share: the group's part of the job starts in the last hour; weight share: its weight's "
                 "part among the groups with work.</p>"
                 f"<h2>Who holds the slots</h2>{holders}<h2>Recent failures</h2>{fails}")
@@ -784,20 +885,11 @@ class Dashboard:
                   ("heartbeat", _e(d["heartbeat_at"]) or "-"), ("cancel requested", "yes" if d["cancel_requested"] else "no")]
         if d["progress"] is not None:
             fields.append(("progress", _e(d["progress"])))
-        actions = ""
-        if self.token is not None:
-            csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
-            buttons = []
-            if d["state"] in ("failed", "cancelled"):
-                buttons.append(f'<form class="inline" method="post" action="{b}/jobs/{jid}/retry">{csrf}'
-                               '<button type="submit" id="retry">Retry</button></form>')
-            if d["state"] not in jobq.TERMINAL:
-                buttons.append(f'<form class="inline" method="post" action="{b}/jobs/{jid}/cancel">{csrf}'
-                               '<button type="submit" id="cancel">Cancel</button></form>')
-            actions = "<p>" + " ".join(buttons) + "</p>" if buttons else ""
+        actions = "" if self.token is None else self._job_buttons(req, jid, d["state"], d["cancel_requested"])
         args = ('<p class="muted" id="args">hidden (the dashboard runs with --hide-args)</p>' if d["args_hidden"]
                 else f'<pre id="args">{_e(_json_text(d["args"]))}</pre>')
-        parts = [f'<h1>Job {jid} <span id="type">{_e(d["type"])}</span> {_state(d["state"])}</h1>',
+        parts = [f'<h1>Job {jid} <span id="type">{_e(d["type"])}</span> {_state(d["state"])}'
+                 f'{_cancel_badge(d["state"], d["cancel_requested"])}</h1>',
                  f'<p class="why" id="why">{_e(d["why"])}</p>', actions,
                  f'<h2>Neighbourhood</h2><div class="dagbox">{_dag_svg(d["graph"]["nodes"], d["graph"]["edges"], jid, req.base)}</div>',
                  f'<h2>Fields</h2><dl class="fields">{"".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in fields)}</dl>',
@@ -817,13 +909,10 @@ class Dashboard:
     def _groups_html(self, req: _Request, d: Mapping[str, Any]) -> str:
         b = _e(req.base)
         can_act = self.token is not None and d["policy_stored"]
-        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if can_act and self._session_ok(req) else ""
         rows = []
         for g in d["groups"]:
             name = urllib.parse.quote(g["group"], safe="")
-            act = "resume" if g["paused"] else "pause"
-            button = (f'<form class="inline" method="post" action="{b}/groups/{_e(name)}/{act}">{csrf}'
-                      f'<button type="submit">{act}</button></form>') if can_act else ""
+            button = self._group_button(req, g["group"], "resume" if g["paused"] else "pause") if can_act else ""
             rows.append([f'<a href="{b}/jobs?group={_e(name)}">{_e(g["group"])}</a>', _num(g["weight"]), _e(g["due"]),
                          _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]), _num(g["rate"]), _num(g["paused"]),
                          _e(g["starts_last_hour"]), _share(g["served_share"]), _share(g["weight_share"])]
@@ -845,19 +934,38 @@ class Dashboard:
 # ---- request arguments
 
 
+def _ascii_int(text: str) -> int | None:
+    """The number ASCII digits spell, or None: str.isdigit() is also true for "²" (which int()
+    refuses) and "٣" (which it reads), and int() refuses more than 4,300 digits."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 40 else None
+
+
 def _job_id(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) < 2**63:
+    n = _ascii_int(text)
+    if n is None or not 1 <= n < 2**63:
         raise _HttpError(400, f"a job id is a positive whole number, got {text[:40]!r}")
-    return int(text)
+    return n
 
 
 def _int_arg(req: _Request, name: str, default: int | None, lo: int, hi: int) -> Any:
     v = req.arg(name)
     if v is None:
         return default
-    if not v.isdigit() or not lo <= int(v) <= hi:
+    n = _ascii_int(v)
+    if n is None or not lo <= n <= hi:
         raise _HttpError(400, f"{name} must be a whole number from {lo} to {hi}, got {v[:40]!r}")
-    return int(v)
+    return n
+
+
+def _name_arg(req: _Request, name: str) -> str | None:
+    """A name to filter by: at most MAX_NAME_LENGTH characters and no control character (no
+    name holds one, and PostgreSQL refuses NUL in a parameter)."""
+    v = req.arg(name)
+    if v is not None and len(v) > jobq.MAX_NAME_LENGTH:
+        raise _HttpError(400, f"{name} is at most {jobq.MAX_NAME_LENGTH} characters")
+    if v is not None and _CONTROL.search(v):
+        raise _HttpError(400, f"{name} holds a control character, which no name holds: {v[:40]!r}")
+    return v
 
 
 def _time_arg(req: _Request, name: str, now: _dt.datetime | None) -> _dt.datetime | None:
@@ -874,6 +982,27 @@ def _time_arg(req: _Request, name: str, now: _dt.datetime | None) -> _dt.datetim
                               f"2026-12-01T09:00:00Z, got {v[:40]!r}") from None
 
 
+def _group_name(req: _Request, parts: list[str]) -> str:
+    """The group a group action names: ``/groups/pause?group=NAME`` (what the pages post: a
+    query is never decoded by the server), or ``/groups/NAME/pause`` for scripts, where the
+    server has decoded ``%2F`` already: everything between ``groups/`` and the action."""
+    if len(parts) == 2:
+        values = req.query.get("group")
+        if not values:
+            raise _HttpError(400, f"name the group: /groups/{parts[1]}?group=NAME")
+        return values[-1]
+    found = re.fullmatch(r"/*(?:api/+)?groups/(.+)/(?:pause|resume)/*", req.path, re.DOTALL)
+    assert found is not None  # parts[0] == "groups" and parts[-1] is the action
+    return found.group(1)
+
+
+def _cancel_badge(state: str, cancel_requested: bool) -> str:
+    """A live job's "cancel requested" mark: its handler is asked to stop, the job is not cancelled yet."""
+    if not cancel_requested or state in jobq.TERMINAL:
+        return ""
+    return ' <span class="state s-cancelled" id="cancel-requested">cancel requested</span>'
+
+
 def _last_line(error: str | None) -> str:
     """The line of an error that says what went wrong (a traceback's last), for tables."""
     lines = [ln.strip() for ln in (error or "").splitlines() if ln.strip()]
@@ -882,6 +1011,36 @@ def _last_line(error: str | None) -> str:
 
 def _redirect(location: str) -> _Response:
     return 303, [("Location", location), ("Content-Type", "text/plain")], b""
+
+
+def _local_path(value: str | None) -> str:
+    """``value`` as a path on this site to send a browser to, else "/": never another host
+    (``//host``, ``/\\host``: browsers read a backslash as a slash, and drop tabs and newlines
+    from URLs), a scheme, or a control character; what is not ASCII is percent-encoded."""
+    if not value or not value.startswith("/") or value.startswith("//") or "\\" in value or _CONTROL.search(value):
+        return "/"
+    try:
+        parts = urllib.parse.urlsplit(value)
+    except ValueError:
+        return "/"
+    if parts.scheme or parts.netloc or parts.path in ("/logout", "/login"):  # POST-only, or a loop
+        return "/"
+    return urllib.parse.quote(value, safe="/%:@!$&'()*+,;=~?#")
+
+
+def _same_secret(given: str, expected: str) -> bool:
+    """Compare a secret in constant time; hmac.compare_digest refuses str with non-ASCII text."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
+
+
+def _header_value(value: str) -> str:
+    """A header value as printable ASCII. Every value is built so already (a redirect's target
+    through _local_path, the prefix quoted); this is the last check before the server writes
+    it: anything else, a CR or LF above all, is percent-encoded and logged."""
+    if value.isascii() and value.isprintable():
+        return value
+    logger.error("jobq dashboard: a header value held a control or non-ASCII character: %r", value)
+    return re.sub(r"[^\x20-\x7e]", lambda m: urllib.parse.quote(m.group().encode("utf-8", "surrogatepass")), value)
 
 
 # =============================================================================================

@@ -5,6 +5,7 @@ only with the token and a CSRF field (else 401/403 and nothing changes)."""
 from __future__ import annotations
 
 import datetime as dt
+import html
 import json
 import pathlib
 import re
@@ -301,6 +302,100 @@ def test_group_pause_needs_the_token_and_stores_the_policy(engine: sa.Engine) ->
     assert rows["tenant-a"]["paused"] is True
     r = call(app, "/groups/tenant-a/resume", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status == 200 and jobq.get_group(engine, "tenant-a").paused is False  # type: ignore[union-attr]
+
+
+def _follow_sign_in(app: object, refused: Reply) -> tuple[str, Reply]:
+    """From a refused action's 401 page, as a person: its Sign in link, the form, the token;
+    then the page the redirect leads to. Returns the session cookie and that page."""
+    link = html.unescape(re.search(r'<a href="([^"]*)">Sign in</a>', refused.body).group(1))
+    form = call(app, link).body
+    nxt = html.unescape(re.search(r'name="next" value="([^"]*)"', form).group(1))
+    r = call(app, "/login", "POST", form={"token": TOKEN, "next": nxt}, headers={"Origin": "http://127.0.0.1:8080"})
+    assert r.status == 303
+    cookie = r.cookies[0].split(";")[0]
+    return cookie, call(app, r.headers["Location"], cookie=cookie)
+
+
+def test_signing_in_after_a_refused_action_offers_it_again(engine: sa.Engine) -> None:
+    """A refused Retry (or group pause) leads through sign-in to a page that offers the same
+    action as a button, which then works, instead of a GET of the POST-only address (a 405)."""
+    up = failed_job(engine, group_key="org/team")
+    app = jobq_web.app(engine, token=TOKEN)
+    origin = {"Origin": "http://127.0.0.1:8080"}
+    refused = call(app, f"/jobs/{up}/retry", "POST")
+    assert refused.status == 401 and jobq.get(engine, up).state == "failed"
+    cookie, landed = _follow_sign_in(app, refused)
+    assert landed.status == 200, (landed.status, landed.body)
+    action = re.search(r'method="post" action="([^"]*/(?:retry|pause)\b[^"]*)"', landed.body).group(1)
+    assert action == f"/jobs/{up}/retry" and 'id="retry"' in landed.body and jobq.why(engine, up) in html.unescape(landed.body)
+    r = call(app, action, "POST", cookie=cookie, form={"csrf": re.search(r'name="csrf" value="([0-9a-f]+)"', landed.body).group(1)},
+             headers=origin)
+    assert r.status == 303 and jobq.get(engine, up).state == "ready"
+    landed = call(app, f"/jobs/{up}/retry", cookie=cookie)  # nothing to retry now: said, no button
+    assert landed.status == 200 and 'id="not-offered"' in landed.body and 'id="retry"' not in landed.body
+
+    page = call(app, "/groups").body  # a group whose name needs encoding, the same way
+    action = html.unescape(re.search(r'action="([^"]*pause[^"]*)"', page).group(1))
+    refused = call(app, action, "POST")
+    assert refused.status == 401
+    cookie, landed = _follow_sign_in(app, refused)
+    assert landed.status == 200 and "Pause group org/team" in landed.body and 'id="group-state"' in landed.body
+    again = html.unescape(re.search(r'method="post" action="([^"]*/(?:retry|pause)\b[^"]*)"', landed.body).group(1))
+    r = call(app, again, "POST", cookie=cookie, form={"csrf": re.search(r'name="csrf" value="([0-9a-f]+)"', landed.body).group(1)},
+             headers=origin)
+    assert r.status == 303 and jobq.get_group(engine, "org/team").paused is True  # type: ignore[union-attr]
+    assert call(jobq_web.app(engine), f"/jobs/{up}/retry").status == 405  # read-only: nothing to offer
+    assert call(app, f"/api/jobs/{up}/retry").status == 405
+    assert call(app, f"/jobs/{up}/retry", headers={"Accept": "application/json"}).status == 405
+
+
+def test_a_wrong_credential_is_told_apart_from_none(engine: sa.Engine) -> None:
+    """No credential: sign in first. A wrong bearer token: wrong token. A session cookie that
+    is not this dashboard's (its token changed): sign in again. All 401, nothing changes."""
+    job = jobq.enqueue(engine, "t", {})
+    app = jobq_web.app(engine, token=TOKEN)
+    path = f"/jobs/{job}/cancel"
+    r = call(app, path, "POST", headers={"Accept": "application/json"})
+    assert r.status == 401 and "sign in with the dashboard token first" in r.json()["error"]
+    r = call(app, path, "POST", headers={"Authorization": "Bearer wrong-token"})
+    assert r.status == 401 and r.json()["error"].startswith("wrong token"), r.body
+    r = call(app, path, "POST", headers={"Authorization": f"Basic {TOKEN}"})
+    assert r.status == 401 and "Bearer" in r.json()["error"]
+    r = call(app, path, "POST", cookie="jobq_session=" + "0" * 64, form={"csrf": "0" * 64})
+    assert r.status == 401 and "sign in again" in r.body
+    assert jobq.get(engine, job).state == "ready"
+
+
+def test_cancelling_a_running_job_says_cancel_requested(engine: sa.Engine) -> None:
+    """Cancel of a leased or running job only asks its handler to stop: the banner and the JSON
+    say "cancel requested" (not "job N: running", read as done), and the job page marks it
+    until the job ends."""
+    job = jobq.enqueue(engine, "t", {})
+    lease = jobq.claim(engine, "w1", 30)
+    assert lease == job
+    app = jobq_web.app(engine, token=TOKEN)
+    cookie, _ = _session(app)
+    page = call(app, f"/jobs/{job}", cookie=cookie).body
+    assert 'id="cancel-requested"' not in page
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page).group(1)
+    r = call(app, f"/jobs/{job}/cancel", "POST", cookie=cookie, form={"csrf": csrf},
+             headers={"Origin": "http://127.0.0.1:8080"})
+    assert r.status == 303
+    page = html_ok(call(app, r.headers["Location"], cookie=cookie))
+    flash = html.unescape(re.search(r'id="flash">([^<]*)<', page).group(1))
+    assert "cancel requested" in flash and f"job {job}: {jobq.get(engine, job).state}" != flash, flash
+    assert 'id="cancel-requested">cancel requested<' in page and 'id="cancel"' not in page
+    assert call(app, f"/api/jobs/{job}").json()["cancel_requested"] is True
+    r = call(app, f"/jobs/{job}/cancel", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and "cancel requested" in r.json()["message"]
+    assert jobq.fail(engine, job, "stopped", worker_id="w1", token=lease.token) == "cancelled"
+    page = html_ok(call(app, f"/jobs/{job}"))
+    assert 'id="cancel-requested"' not in page and "s-cancelled" in page
+    done = jobq.enqueue(engine, "t", {})
+    lease = jobq.claim(engine, "w1", 30)
+    jobq.finalize(engine, lease, {}, worker_id="w1", token=lease.token)
+    r = call(app, f"/jobs/{done}/cancel", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 409 and "nothing to cancel" in r.json()["error"] and jobq.get(engine, done).state == "done"
 
 
 def test_a_short_token_is_refused(engine: sa.Engine) -> None:

@@ -1,7 +1,8 @@
 """The dashboard in a real headless browser (Debian's chromium, driven by Selenium through
 chromium-driver) against a real `jobq serve` process, on every engine: what a person sees on
-the overview, a job page and the groups page, and a retry that works with the token and is
-refused without it.
+the overview, a job page and the groups page, a retry that works with the token and is
+refused without it (signing in then offers it again), and the pause button of a group whose
+name holds a "/".
 
 CI (CI set) fails when chromium or its driver is missing; elsewhere the test is skipped with
 one line saying how to install them (apt-get install chromium chromium-driver).
@@ -80,6 +81,7 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
 
     d = browser
     up, down = _failed_pair(engine)
+    jobq.set_group(engine, "org/team", weight=1)  # a stored policy, no jobs: the counts stay as they are
     with running_server(db_url, "--port", "0", "--token", TOKEN) as (base, _):
         d.delete_all_cookies()  # type: ignore[attr-defined]  # cookies ignore the port: one engine's sign-in
         d.get(base)  # type: ignore[attr-defined]  # would carry over to the next
@@ -133,11 +135,14 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
         submit(find(By.LINK_TEXT, "Sign in"))
         find(By.ID, "token").send_keys("not-the-token")
         submit(find(By.ID, "signin"))
-        assert find(By.TAG_NAME, "h1").text == "401 Unauthorized"
-        d.get(f"{base}login?next=/jobs/{up}")  # type: ignore[attr-defined]
+        assert find(By.TAG_NAME, "h1").text == "401 Unauthorized" and find(By.ID, "error").text == "wrong token"
+        d.back()  # type: ignore[attr-defined]  # to the sign-in form the refused Retry led to
+        WebDriverWait(d, 60).until(lambda _: find(By.ID, "token").is_displayed())
+        find(By.ID, "token").clear()
         find(By.ID, "token").send_keys(TOKEN)
         submit(find(By.ID, "signin"))
-        assert find(By.TAG_NAME, "h1").text.startswith(f"Job {up}")
+        # signed in, the browser lands where the refused Retry was posted: a page offering it again
+        assert find(By.TAG_NAME, "h1").text == f"Retry job {up}", find(By.TAG_NAME, "main").text
         assert not find(By.CSS_SELECTOR, "#live input").is_selected()  # still off after navigating
         # a forged request from the page's own origin without the CSRF field: refused
         status = d.execute_script(  # type: ignore[attr-defined]
@@ -150,9 +155,22 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
 
         d.get(f"{base}groups")  # type: ignore[attr-defined]
         assert find(By.TAG_NAME, "h1").text == "Groups"
-        assert {"tenant-a", "tenant-b"} <= {a.text for a in find(By.CSS_SELECTOR, "table.groups").find_elements(
+        assert {"tenant-a", "tenant-b", "org/team"} <= {a.text for a in find(By.CSS_SELECTOR, "table.groups").find_elements(
             By.CSS_SELECTOR, "td:first-child a")}
         assert "jobq group KEY" in find(By.ID, "policy-note").text
+
+        def group_row(name: str) -> object:
+            return next(r for r in find(By.CSS_SELECTOR, "table.groups").find_elements(By.CSS_SELECTOR, "tbody tr")
+                        if r.find_element(By.CSS_SELECTOR, "td:first-child").text == name)
+
+        # a group whose name holds a "/" (sent as %2F, which a server decodes): its own button pauses it
+        submit(group_row("org/team").find_element(By.CSS_SELECTOR, "button"))  # type: ignore[attr-defined]
+        assert find(By.ID, "flash").text == "group org/team: paused"
+        assert jobq.get_group(engine, "org/team").paused is True  # type: ignore[union-attr]
+        assert jobq.get_group(engine, "org") is None and jobq.get_group(engine, "team") is None
+        submit(group_row("org/team").find_element(By.CSS_SELECTOR, "button"))  # type: ignore[attr-defined]
+        assert find(By.ID, "flash").text == "group org/team: resumed"
+        assert jobq.get_group(engine, "org/team").paused is False  # type: ignore[union-attr]
 
         # JavaScript off: the read-only pages show the same (no live switch, nothing missing)
         d.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})  # type: ignore[attr-defined]
