@@ -1950,13 +1950,13 @@ def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
 # ---- prune ------------------------------------------------------------------------------------
 
 
-def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
-    """Finished jobs older than ``cutoff`` that nothing still needs: no unfinished dependent,
-    no unfinished container, no remaining child. Found through ix_jobs_finished (keep in sync)."""
+def _prunable(states: Sequence[str], cutoff: _dt.datetime) -> list[sa.ColumnElement[bool]]:
+    """A finished job older than ``cutoff`` that nothing still needs: no unfinished dependent,
+    no unfinished container, no remaining child. prune's read and its locked re-check share it."""
     dependent = sa.alias(_jobs, "dependent")
     parent = sa.alias(_jobs, "parent")
     child = sa.alias(_jobs, "child")
-    return sa.select(_c.id).where(
+    return [
         # both literal: the first is ix_jobs_finished's predicate, spelled as the index spells
         # it (SQLite matches partial indexes by exact terms)
         _state_is(*TERMINAL), _state_is(*states), _c.finished_at < cutoff,
@@ -1964,7 +1964,21 @@ def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.S
                            dependent.c.state.not_in(TERMINAL)),
         ~sa.exists().where(parent.c.id == _c.parent_id, parent.c.state.not_in(TERMINAL)),
         ~sa.exists().where(child.c.parent_id == _c.id),
-    ).order_by(_c.finished_at).limit(batch)
+    ]
+
+
+def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
+    """A batch of prunable jobs, oldest first, without locks. Found through ix_jobs_finished
+    (keep in sync)."""
+    return sa.select(_c.id).where(*_prunable(states, cutoff)).order_by(_c.finished_at).limit(batch)
+
+
+def _q_lock_prunable(d: _Dialect, ids: Sequence[int], states: Sequence[str], cutoff: _dt.datetime) -> sa.Select[Any]:
+    """The jobs of a batch _q_prunable read that are still prunable, locked in id order until
+    they are deleted: a retry that re-opened one after the read (and committed) is seen here
+    (a locking read sees the latest committed row, at READ COMMITTED on every server), and one
+    that comes later waits for the delete and finds no job."""
+    return d.lock_wait(sa.select(_c.id).where(_c.id.in_(ids), *_prunable(states, cutoff)).order_by(_c.id))
 
 
 def _q_delete_edges(ids: Sequence[int]) -> sa.Delete:
@@ -5538,7 +5552,8 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
     A job is kept while an unfinished job depends on it, while its container is unfinished,
     and (for a container) while any of its children remains. Each batch is one short
     transaction found through the finished-rows index, so the cost follows what is
-    deleted, not the size of the history.
+    deleted, not the size of the history. A job re-opened meanwhile (:func:`retry`) is never
+    deleted: each batch is locked and checked again before its delete.
 
     Returns:
         How many jobs were deleted.
@@ -5553,7 +5568,11 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
 
         def one(conn: Connection, d: _Dialect) -> int:
             cutoff = (now or d.db_now(conn)) - older_than
-            ids = list(conn.execute(_q_prunable(states, cutoff, batch)).scalars())
+            read = list(conn.execute(_q_prunable(states, cutoff, batch)).scalars())
+            _checkpoint("prune_read", read)
+            # The read took no locks: what it found may have been re-opened (retry) since.
+            ids = list(conn.execute(_q_lock_prunable(d, read, states, cutoff)).scalars()) if read else []
+            _checkpoint("prune_locked", ids)
             if ids:
                 conn.execute(_q_delete_edges(ids))
                 conn.execute(_q_delete_attempts(ids))
@@ -5807,7 +5826,9 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
 
     Points: "claimed" (leases committed, before dispatch), "handler_returned" (in the handler's
     thread, before the outcome is queued), "finalize_before_commit" (inside the finalize
-    transaction), "finalized" (after it committed).
+    transaction), "finalized" (after it committed); prune's "prune_read" (a batch read without
+    locks) and "prune_locked" (the batch locked and checked again, before its delete), both
+    inside its transaction (the race tests replace it).
     """
 
 

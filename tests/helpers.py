@@ -90,6 +90,24 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
         time.sleep(interval)
 
 
+def backend_id(conn: sa.Connection) -> int:
+    """The server's id of this connection (PostgreSQL backend pid, MySQL/MariaDB thread id)."""
+    sql = "SELECT pg_backend_pid()" if conn.dialect.name == "postgresql" else "SELECT CONNECTION_ID()"
+    return int(conn.exec_driver_sql(sql).scalar_one())
+
+
+def waits_for_a_row_lock(engine: sa.Engine, backend: int) -> bool:
+    """Whether the connection ``backend`` (backend_id) waits for a row lock now, as the server
+    says; poll it at INNODB_TRX_POLL on MySQL/MariaDB."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            got = conn.execute(sa.text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :p"), {"p": backend})
+            return got.scalar() == "Lock"
+        got = conn.execute(sa.text("SELECT trx_state FROM information_schema.innodb_trx WHERE trx_mysql_thread_id = :p"),
+                           {"p": backend})
+        return got.scalar() == "LOCK WAIT"
+
+
 def peak_overlap(spans: Iterable[tuple[float, float]]) -> int:
     """The most (start, end) spans open at one instant. A span that ends exactly when another
     starts does not overlap it (ends sort before starts at equal times)."""

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
-from helpers import INNODB_TRX_POLL, snapshot, state, wait_for
+from helpers import INNODB_TRX_POLL, backend_id, snapshot, state, wait_for, waits_for_a_row_lock
 
 jobs = jobq.Job.__table__
 FAST = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
@@ -237,21 +237,6 @@ def test_a_cancelled_or_finished_container_takes_no_children(engine: sa.Engine) 
     assert snapshot(engine) == before
 
 
-def _backend(conn: sa.Connection) -> int:
-    sql = "SELECT pg_backend_pid()" if conn.dialect.name == "postgresql" else "SELECT CONNECTION_ID()"
-    return int(conn.exec_driver_sql(sql).scalar_one())
-
-
-def _waits_for_a_row_lock(engine: sa.Engine, backend: int) -> bool:
-    with engine.connect() as conn:
-        if engine.dialect.name == "postgresql":
-            got = conn.execute(sa.text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :p"), {"p": backend})
-            return got.scalar() == "Lock"
-        got = conn.execute(sa.text("SELECT trx_state FROM information_schema.innodb_trx WHERE trx_mysql_thread_id = :p"),
-                           {"p": backend})
-        return got.scalar() == "LOCK WAIT"
-
-
 def _cancel_held_at(engine: sa.Engine, held: int, root: int, meanwhile: Any) -> None:
     """cancel(root) on its own connection while a second connection holds row ``held`` (a
     member of root's subtree) locked: once cancel is seen waiting for that lock (the database
@@ -261,7 +246,7 @@ def _cancel_held_at(engine: sa.Engine, held: int, root: int, meanwhile: Any) -> 
     ceng = sa.create_engine(engine.url, pool_size=1, max_overflow=0)  # cancel's one connection
     jobq._prepare(ceng)
     with ceng.connect() as conn:
-        backend = _backend(conn)
+        backend = backend_id(conn)
     out: dict[str, Any] = {}
 
     def call(name: str, fn: Any) -> None:
@@ -277,7 +262,7 @@ def _cancel_held_at(engine: sa.Engine, held: int, root: int, meanwhile: Any) -> 
     canceller.start()
     side = threading.Thread(target=call, args=("meanwhile", meanwhile))
     try:
-        wait_for(lambda: _waits_for_a_row_lock(engine, backend), timeout=30, interval=INNODB_TRX_POLL,
+        wait_for(lambda: waits_for_a_row_lock(engine, backend), timeout=30, interval=INNODB_TRX_POLL,
                  what="cancel to wait for the held row")
         side.start()
         side.join(30)
