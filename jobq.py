@@ -6099,9 +6099,55 @@ def _pipe_spawn(conn: Any, plan: _Plan) -> dict[str, int]:
     return value  # type: ignore[no-any-return]
 
 
-def _process_main(handler: Callable[[JobContext], Any], lease: Lease, stop: Any, conn: Any) -> None:
+#: The write ends (Connections) of the lifelines of this process's handler processes (see
+#: _die_with_worker), changed only under _LIFELINE_LOCK, which also covers starting a handler
+#: process: a child forked meanwhile inherits exactly these descriptors, and closes them all.
+_LIFELINES: set[Any] = set()
+_LIFELINE_LOCK = threading.Lock()
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_worker(lifeline: Any) -> None:
+    """In a handler process, first thing: end this process when its worker dies, even by SIGKILL.
+
+    Two watches, because neither covers every case alone. On Linux, the kernel sends SIGKILL
+    when the parent *thread* ends (PR_SET_PDEATHSIG): with fork and spawn that is the worker's
+    handler thread, which waits for this process, so it ends only with the worker; with
+    forkserver the parent is the fork server, which may outlive the worker for a while. And
+    everywhere, the ``lifeline``: the read end of a pipe whose write end only the worker holds
+    (a child forked from the worker closes the worker's copies, this one's included), so end
+    of file means the worker is gone, whatever the start method or the platform.
+    """
+    for held in list(_LIFELINES):  # fork: the worker's write ends, inherited; empty after spawn
+        held.close()
+    _LIFELINES.clear()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the lifeline alone
+    threading.Thread(target=_end_at_eof, args=(lifeline,), name="jobq-lifeline", daemon=True).start()
+
+
+def _end_at_eof(lifeline: Any) -> None:
+    try:
+        lifeline.recv_bytes()  # nothing is ever sent: this returns only at end of file
+    except BaseException:  # noqa: BLE001,S110 - EOF, or a closed pipe: the worker is gone either way
+        pass
+    kill = getattr(signal, "SIGKILL", None)
+    if kill is not None:
+        os.kill(os.getpid(), kill)
+    os._exit(70)
+
+
+def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], Any], lease: Lease, stop: Any,
+                  conn: Any, lifeline: Any) -> None:
     # Runs in the handler's own process: report the outcome (and ask for spawns) through the
     # pipe, touch nothing else (the database connections inherited by fork belong to the parent).
+    watch(lifeline)  # _die_with_worker, passed by the worker (a crash test passes a broken one)
     ctx = JobContext(lease)
     ctx._stop = stop
     ctx._save = functools.partial(_checkpoint_through_pipe, conn)
@@ -7144,14 +7190,19 @@ class Worker(_WorkerCore):
         assert self._mp is not None
         recv, send = self._mp.Pipe()  # duplex: the handler process's checkpoints and spawns are answered
         stop = self._mp.Event()
+        with _LIFELINE_LOCK:
+            lifeline, held = self._mp.Pipe(duplex=False)  # the child's death watch: see _die_with_worker
+            _LIFELINES.add(held)
         proc = self._mp.Process(  # type: ignore[attr-defined]
-            target=_process_main, args=(self.handlers[run.lease.type], run.lease, stop, send),
+            target=_process_main, args=(_die_with_worker, self.handlers[run.lease.type], run.lease, stop, send, lifeline),
                                 name=f"jobq-job-{run.lease.id}", daemon=True)
         run.process = proc
         msg = None
         try:
-            proc.start()
+            with _LIFELINE_LOCK:  # a fork inherits the lifelines in _LIFELINES, and no other
+                proc.start()
             send.close()
+            lifeline.close()
             while msg is None:
                 ready = wait([recv, proc.sentinel], timeout=0.1)
                 if run.ctx.stop_requested:
@@ -7183,6 +7234,10 @@ class Worker(_WorkerCore):
             kind, payload = "error", _format_error(exc)
         finally:
             recv.close()
+            lifeline.close()
+            with _LIFELINE_LOCK:
+                _LIFELINES.discard(held)
+                held.close()
         return kind, payload
 
     def _checkpoint_for_child(self, run: _Running, state: dict[str, Any]) -> tuple[str, str]:

@@ -10,6 +10,10 @@ test can count executions and finalize commits after the process is gone:
     events-PID.log  one line per worker event: "action job"
     started-JOB-ATTEMPT  a marker file created when a handler starts
     returning-JOB-ATTEMPT  created just before a "work" handler with args.gate returns
+    handler-JOB-ATTEMPT  the pid of the "forever" handler's process, written when it starts
+
+--no-death-watch starts handler processes (--executor process) without jobq's watch on their
+worker: the broken variant of tests/crash/test_orphan_handler.py.
 """
 
 from __future__ import annotations
@@ -35,6 +39,22 @@ def append(path: pathlib.Path, line: str) -> None:
         os.fsync(f.fileno())
 
 
+def forever(ctx: jobq.JobContext) -> None:
+    """Writes its process's pid to LOGDIR/handler-JOB-ATTEMPT (LOGDIR is args.logdir), then
+    runs until killed, ignoring stop_requested like a hung call. Module-level: the spawn and
+    forkserver start methods pickle the handler by reference."""
+    marker = pathlib.Path(ctx.args["logdir"]) / f"handler-{ctx.id}-{ctx.attempt}"
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(marker)  # whole or absent
+    while True:
+        time.sleep(0.05)
+
+
+def no_death_watch(lifeline: object) -> None:
+    """BROKEN: the handler process does not watch its worker (replaces jobq._die_with_worker)."""
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("url")
@@ -46,6 +66,8 @@ def main() -> None:
     p.add_argument("--ttl", type=float, default=1.0)
     p.add_argument("--shutdown-timeout", type=float, default=5.0)
     p.add_argument("--executor", default="thread")
+    p.add_argument("--start-method", default="fork")
+    p.add_argument("--no-death-watch", action="store_true", help="BROKEN: handler processes outlive the worker")
     p.add_argument("--no-pre-ping", action="store_true", help="let dead pooled connections surface as errors")
     ns = p.parse_args()
     pid = os.getpid()
@@ -63,6 +85,8 @@ def main() -> None:
                 os.kill(pid, signal.SIGKILL)
 
     jobq._checkpoint = checkpoint  # the test entry point's replacement for the no-op
+    if ns.no_death_watch:
+        jobq._die_with_worker = no_death_watch  # type: ignore[assignment]
 
     def work(ctx: jobq.JobContext) -> dict:
         append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
@@ -115,8 +139,9 @@ def main() -> None:
     connect_args = {"application_name": "jobq-crash-worker"} if ns.url.startswith("postgresql") else {}
     engine = sa.create_engine(ns.url, pool_pre_ping=not ns.no_pre_ping, connect_args=connect_args)
     worker = jobq.Worker(
-        engine, {"work": work, "poison": poison, "steps": steps, "spawner": spawner}, max_concurrency=ns.concurrency, lease_ttl=ns.ttl,
-        poll_interval=0.02, retry_backoff=lambda a: 0.0, shutdown_timeout=ns.shutdown_timeout, executor=ns.executor,
+        engine, {"work": work, "poison": poison, "steps": steps, "spawner": spawner, "forever": forever},
+        max_concurrency=ns.concurrency, lease_ttl=ns.ttl, poll_interval=0.02, retry_backoff=lambda a: 0.0,
+        shutdown_timeout=ns.shutdown_timeout, executor=ns.executor, start_method=ns.start_method,
         on_event=lambda ev: append(logs / f"events-{pid}.log", f"{ev.action} {ev.job_id}"),
     )
     append(logs / f"ready-{pid}.log", worker.worker_id)
