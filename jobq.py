@@ -1375,6 +1375,21 @@ def _q_upstreams_of(d: _Dialect, job_id: int) -> sa.Select[Any]:
     return d.lock_share(sa.select(_c.id, _c.state).where(_c.id.in_(ups)).order_by(_c.id))
 
 
+def _q_closed_nodes(ids: Sequence[int]) -> sa.Select[Any]:
+    """(id, state, parent_id) of these jobs (the walk to a closed job's roots, _retry_roots)."""
+    return sa.select(_c.id, _c.state, _c.parent_id).where(_c.id.in_(ids))
+
+
+def _q_closed_upstreams(ids: Sequence[int]) -> sa.Select[Any]:
+    """(job, upstream) for the failed or cancelled upstreams of these jobs: what keeps them
+    closed (retry refuses a job while it has one)."""
+    return (
+        sa.select(_deps.c.job_id, _deps.c.depends_on_id)
+        .join(_jobs, _c.id == _deps.c.depends_on_id)
+        .where(_deps.c.job_id.in_(ids), _state_is(*_BAD)).order_by(_deps.c.depends_on_id)
+    )
+
+
 def _q_parent_of(job_id: int) -> sa.Select[Any]:
     return sa.select(_c.parent_id).where(_c.id == job_id)
 
@@ -5434,7 +5449,7 @@ def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> s
     return _transaction(engine, run)
 
 
-def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> list[int]:
+def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None, from_root: bool = False) -> list[int]:
     """Give a ``failed`` or ``cancelled`` job fresh attempts, and re-open what closed because of it.
 
     The job goes back to ``ready`` (``waiting`` while upstreams are unfinished); a container
@@ -5445,15 +5460,27 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> li
     of their upstreams is failed or cancelled any more, transitively; containers that roll up
     again once their re-opened children are settled do so in the same transaction.
 
+    Args:
+        engine: the queue's Engine.
+        job_id: the failed or cancelled job.
+        now: the time to record (default: the database clock).
+        from_root: a job closed because an upstream failed is refused on its own (its upstream
+            is still failed); with ``from_root`` the jobs that keep it closed (its roots: the
+            failed or cancelled jobs up its chain that have no failed or cancelled upstream
+            themselves, as :func:`why` names them) are retried first, in the same transaction,
+            which re-opens the chain down to this job.
+
     Returns:
         Every job id that was re-opened, the given one first.
 
     Raises:
-        InvalidJob: no such job, it is not failed/cancelled, or one of its own upstreams (or an
-            upstream of a closed container around it) is failed or cancelled (retry that one
-            first).
+        InvalidJob: no such job, it is not failed/cancelled, or (without ``from_root``) one of
+            its own upstreams (or an upstream of a closed container around it) is failed or
+            cancelled (retry that one first, or pass ``from_root``).
     """
     job_id = _as_id(job_id, "job_id")
+    if not isinstance(from_root, bool):
+        raise ConfigError(f"retry: from_root must be True or False, got {from_root!r}")
 
     def run(conn: Connection, d: _Dialect) -> list[int]:
         t = now or d.db_now(conn)
@@ -5462,29 +5489,81 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> li
             raise InvalidJob(f"retry: no job with id {job_id}")
         if row.state not in _BAD:
             raise InvalidJob(f"retry: job {job_id} is {row.state}; only failed or cancelled jobs can be retried")
-        x = row
-        while True:  # the job, then each closed container around it, must be free to re-open
-            bad = [(u, s) for u, s in conn.execute(_q_upstreams_of(d, x.id)) if s in _BAD]
-            if bad:
-                inside = "" if x.id == job_id else f" is inside container {x.id}, which"
-                raise InvalidJob(f"retry: job {job_id}{inside} depends on job {bad[0][0]}, which is {bad[0][1]}; "
-                                 "retry that one first")
-            if x.parent_id is None:
-                break
-            x = conn.execute(_q_lock_jobs(d, [x.parent_id])).one()
-            if x.state not in _BAD:
-                break
-        try:
-            reopened = _reopen(conn, d, t, job_id)
-        except sa.exc.IntegrityError as exc:  # only ux_jobs_unique_live can refuse a re-open
-            raise InvalidJob(f"retry: job {job_id} (or a job it re-opens) has a unique_key that an unfinished "
-                             f"job holds now: {_one_line(exc.orig)}") from None
+        reopened: list[int] = []
+        # the roots first (each re-opens what it closed, this job's chain among it), then the
+        # job itself if it is still closed (a job cancelled on its own is closed by nobody)
+        for jid in [*(_retry_roots(conn, job_id) if from_root else []), job_id]:
+            found = conn.execute(_q_lock_jobs(d, [jid])).first()
+            if jid in reopened or found is None or found.state not in _BAD:
+                continue
+            _check_reopenable(conn, d, jid, job_id)
+            try:
+                reopened += _reopen(conn, d, t, jid)
+            except sa.exc.IntegrityError as exc:  # only ux_jobs_unique_live can refuse a re-open
+                raise InvalidJob(f"retry: job {job_id} (or a job it re-opens) has a unique_key that an unfinished "
+                                 f"job holds now: {_one_line(exc.orig)}") from None
         if job_id in reopened:
             reopened.remove(job_id)
             reopened.insert(0, job_id)
         return reopened
 
     return _transaction(engine, run)
+
+
+def _check_reopenable(conn: Connection, d: _Dialect, jid: int, asked: int) -> None:
+    """Refuse to re-open ``jid`` (for a retry of ``asked``) while it, or a closed container
+    around it, depends on a failed or cancelled job."""
+    x = conn.execute(_q_lock_jobs(d, [jid])).one()
+    while True:  # the job, then each closed container around it, must be free to re-open
+        bad = [(u, s) for u, s in conn.execute(_q_upstreams_of(d, x.id)) if s in _BAD]
+        if bad:
+            inside = "" if x.id == asked else f" is inside container {x.id}, which"
+            raise InvalidJob(f"retry: job {asked}{inside} depends on job {bad[0][0]}, which is {bad[0][1]}; "
+                             f"retry that one first, or re-open the chain from its root: jobq retry --root {asked}")
+        if x.parent_id is None:
+            break
+        x = conn.execute(_q_lock_jobs(d, [x.parent_id])).one()
+        if x.state not in _BAD:
+            break
+
+
+def _retry_roots(conn: Connection, job_id: int) -> list[int]:
+    """The failed or cancelled jobs that keep a closed ``job_id`` closed and that a retry
+    accepts now: up the failed/cancelled upstreams (of the job and of each closed container
+    around it, as retry checks them), level by level, to those that have none. [job_id] when
+    nothing keeps it closed. Plain reads: retry then locks and checks each root again."""
+    roots: list[int] = []
+    info: dict[int, tuple[str, int | None]] = {}
+    seen, level = {job_id}, [job_id]
+    while level:
+        need = [j for j in level if j not in info]
+        while need:  # the rows of this level, and of the closed containers around them
+            for chunk in _chunks(need):
+                info.update((i, (st, p)) for i, st, p in conn.execute(_q_closed_nodes(chunk)))
+            need = sorted({p for j in need if j in info for st, p in [info[j]]
+                           if st in _BAD and p is not None and p not in info})
+        scope: dict[int, list[int]] = {}
+        for j in level:
+            x, scope[j] = j, [j]
+            while (p := info.get(x, ("", None))[1]) is not None and info.get(p, ("", None))[0] in _BAD:
+                x = p
+                scope[j].append(x)
+        blockers: dict[int, list[int]] = {}
+        members = sorted({x for xs in scope.values() for x in xs})
+        for chunk in _chunks(members):
+            for j, u in conn.execute(_q_closed_upstreams(chunk)):
+                blockers.setdefault(j, []).append(u)
+        nxt = []
+        for j in level:
+            ups = sorted({u for x in scope[j] for u in blockers.get(x, [])})
+            if not ups:
+                roots.append(j)
+            for u in ups:
+                if u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        level = nxt
+    return sorted(roots)
 
 
 def _reopen(conn: Connection, d: _Dialect, now: _dt.datetime, root: int) -> list[int]:
@@ -5636,7 +5715,19 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         if r.state == "done":
             return f"{head} is done: finished {_iso(r.finished_at)} after {r.attempts} attempt(s)"
         if r.state in ("failed", "cancelled"):
-            return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id}){note}"
+            roots = [x for x in _retry_roots(conn, job_id) if x != job_id]
+            if not roots:
+                return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id}){note}"
+            states = {i: st for i, st, _ in conn.execute(_q_closed_nodes(roots[:5]))}
+            if len(roots) == 1:
+                which = f"retry job {roots[0]}, the {states.get(roots[0], 'failed')} job this one waits on " \
+                        f"(jobq retry {roots[0]})"
+            else:
+                listed = ", ".join(f"{x} ({states.get(x, '?')})" for x in roots[:5]) + (
+                    f" and {len(roots) - 5} more" if len(roots) > 5 else "")
+                which = f"retry jobs {listed}, the failed or cancelled jobs this one waits on"
+            return (f"{head} is {r.state}: {_one_line(r.error or '')} ({which}, or re-open the chain from its "
+                    f"root: jobq retry --root {job_id}){note}")
         if r.state == "held":
             return (f"{head} is held: spawned by job {r.spawned_by}, whose handler is still running; it becomes work "
                     f"if that job's result commits, and is deleted if it does not")
@@ -8020,7 +8111,11 @@ def _parser() -> argparse.ArgumentParser:
                        ("why", "why a job is not running right now, in one line"),
                        ("retry", "retry a failed or cancelled job (and re-open what it closed)"),
                        ("cancel", "cancel a job, or a container with its subtree")):
-        add(name, text).add_argument("id", type=_job_id)
+        p = add(name, text)
+        p.add_argument("id", type=_job_id)
+        if name == "retry":
+            p.add_argument("--root", action="store_true",
+                           help="first retry the failed or cancelled jobs up its chain that keep it closed")
     p = add("group", "show a group's stored policy, or change it (weight, cap, rate, pause) for every worker")
     p.add_argument("key", metavar="KEY")
     p.add_argument("--weight", type=_count, help="fair-share weight (int >= 1)")
@@ -8225,7 +8320,7 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
     elif cmd in ("retry", "cancel"):
         _require_job(engine, ns.id)
         try:
-            outcome: Any = retry(engine, ns.id) if cmd == "retry" else cancel(engine, ns.id)
+            outcome: Any = retry(engine, ns.id, from_root=ns.root) if cmd == "retry" else cancel(engine, ns.id)
         except InvalidJob:
             _require_job(engine, ns.id)  # deleted meanwhile: still "no such job"
             raise

@@ -168,6 +168,12 @@ def job_list(engine: sa.Engine, *, state: str | None, type: str | None, group: s
     return {"jobs": rows, "next_before": rows[-1]["id"] if more and rows else None}
 
 
+def _retry_roots(conn: sa.Connection, job_id: int, state: str) -> list[int]:
+    """The failed or cancelled jobs that keep a closed job closed (retry them, or retry it from
+    its root); empty when retrying the job itself is what to do."""
+    return [r for r in jobq._retry_roots(conn, job_id) if r != job_id] if state in jobq._BAD else []
+
+
 def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, Any] | None:
     """Everything the job page shows, or None if there is no such job."""
     info = jobq.get(engine, job_id)
@@ -178,6 +184,7 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
         dependents = list(conn.execute(jobq._q_dependent_ids(job_id)).scalars())
         children = list(conn.execute(jobq._q_child_ids(job_id)).scalars())
         nodes, edges = jobq._graph_data(conn, job_id, limit=_GRAPH_LIMIT)
+        roots = _retry_roots(conn, job_id, info.state)
         if info.parent_id is not None and all(n.id != info.parent_id for n in nodes):
             nodes = sorted([*nodes, *conn.execute(jobq._q_graph_nodes([info.parent_id]))], key=lambda r: r.id)
         conn.rollback()
@@ -185,7 +192,7 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
     data["depends_on"] = list(info.depends_on)
     if hide_args:
         data["args"] = None
-    data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children,
+    data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children, retry_roots=roots,
                 attempt_history=[_plain(a) for a in jobq.attempts(engine, job_id)],
                 graph={"nodes": [{"id": n.id, "type": n.type, "state": n.state, "parent_id": n.parent_id,
                                   "is_container": bool(n.is_container)} for n in nodes],
@@ -645,7 +652,8 @@ class Dashboard:
         if jobq.get(self.engine, job_id) is None:
             raise _HttpError(404, f"no job with id {job_id}")
         try:
-            outcome: Any = jobq.retry(self.engine, job_id) if action == "retry" else jobq.cancel(self.engine, job_id)
+            outcome: Any = (jobq.retry(self.engine, job_id, from_root=req.arg("root") == "1") if action == "retry"
+                            else jobq.cancel(self.engine, job_id))
         except jobq.InvalidJob as exc:
             raise _HttpError(409, jobq._one_line(exc)) from None
         if action == "retry":
@@ -679,7 +687,10 @@ class Dashboard:
         if info is None:
             raise _HttpError(404, f"no job with id {job_id}")
         b = _e(req.base)
-        buttons = self._job_buttons(req, info.id, info.state, info.cancel_requested, only=action)
+        with self.engine.connect() as conn:
+            roots = _retry_roots(conn, job_id, info.state)
+            conn.rollback()
+        buttons = self._job_buttons(req, info.id, info.state, info.cancel_requested, only=action, roots=roots)
         if not buttons:
             buttons = f'<p class="muted" id="not-offered">job {job_id} is {_e(info.state)}: there is nothing to {action}.</p>'
         body = (f"<h1>{action.capitalize()} job {job_id}</h1>"
@@ -712,12 +723,21 @@ class Dashboard:
         return (f'<form class="inline" method="post" action="{_e(req.base)}/groups/{action}?{query}">{csrf}'
                 f'<button type="submit"{ident}>{action}</button></form>')
 
-    def _job_buttons(self, req: _Request, job_id: int, state: str, cancel_requested: bool, only: str | None = None) -> str:
-        """The Retry and Cancel buttons that apply to a job in ``state`` (or only ``only``)."""
+    def _job_buttons(self, req: _Request, job_id: int, state: str, cancel_requested: bool, only: str | None = None,
+                     roots: Sequence[int] = ()) -> str:
+        """The Retry and Cancel buttons that apply to a job in ``state`` (or only ``only``). A job
+        kept closed by failed or cancelled upstreams (``roots``, see jobq.retry's from_root)
+        gets a Retry of each root (up to 3) and a Retry from the root instead of its own Retry,
+        which would be refused."""
         csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
         b = _e(req.base)
         buttons = []
-        if state in ("failed", "cancelled") and only in (None, "retry"):
+        if state in ("failed", "cancelled") and only in (None, "retry") and roots:
+            buttons += [f'<form class="inline" method="post" action="{b}/jobs/{r}/retry">{csrf}'
+                        f'<button type="submit" id="retry-{r}">Retry job {r}</button></form>' for r in roots[:3]]
+            buttons.append(f'<form class="inline" method="post" action="{b}/jobs/{job_id}/retry?root=1">{csrf}'
+                           '<button type="submit" id="retry-root">Retry from the root</button></form>')
+        elif state in ("failed", "cancelled") and only in (None, "retry"):
             buttons.append(f'<form class="inline" method="post" action="{b}/jobs/{job_id}/retry">{csrf}'
                            '<button type="submit" id="retry">Retry</button></form>')
         if state not in jobq.TERMINAL and not cancel_requested and only in (None, "cancel"):
@@ -885,7 +905,8 @@ class Dashboard:
                   ("heartbeat", _e(d["heartbeat_at"]) or "-"), ("cancel requested", "yes" if d["cancel_requested"] else "no")]
         if d["progress"] is not None:
             fields.append(("progress", _e(d["progress"])))
-        actions = "" if self.token is None else self._job_buttons(req, jid, d["state"], d["cancel_requested"])
+        actions = "" if self.token is None else self._job_buttons(req, jid, d["state"], d["cancel_requested"],
+                                                                  roots=d["retry_roots"])
         args = ('<p class="muted" id="args">hidden (the dashboard runs with --hide-args)</p>' if d["args_hidden"]
                 else f'<pre id="args">{_e(_json_text(d["args"]))}</pre>')
         parts = [f'<h1>Job {jid} <span id="type">{_e(d["type"])}</span> {_state(d["state"])}'
