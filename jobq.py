@@ -80,6 +80,7 @@ __all__ = [
     "TERMINAL",
     "TX_RETRIES",
     "UNLIMITED",
+    "UniqueKeyHeld",
     "UnsupportedDatabase",
     "Worker",
     "WorkerOptions",
@@ -228,6 +229,30 @@ class InvalidJob(JobqError, ValueError):
 
 class ConfigError(JobqError, ValueError):
     """A worker or queue option is invalid."""
+
+
+class UniqueKeyHeld(InvalidJob):
+    """A unique key belongs to a job another running handler is spawning; nothing was written.
+
+    That job is ``held``: it exists only if its spawner's result commits, and it is deleted if
+    the spawner fails. The key is neither handed out nor free until then, so the enqueue,
+    submit, ``ctx.enqueue`` or ``ctx.submit`` that named it is refused at once (it never
+    waits for the other handler). Retry later: the key then names the released job (and the
+    call returns its id, as for any unfinished holder), or is free again.
+
+    Attributes:
+        key: the unique key.
+        job_id: the held job that holds it.
+        spawned_by: the job whose running handler spawned it.
+    """
+
+    def __init__(self, key: str, job_id: int, spawned_by: int) -> None:
+        self.key, self.job_id, self.spawned_by = key, job_id, spawned_by
+        super().__init__(f"unique_key {key!r} belongs to job {job_id}, which the running handler of job {spawned_by} "
+                         "is spawning: it exists only if that handler's result commits. Retry later")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key, self.job_id, self.spawned_by))
 
 
 # =============================================================================================
@@ -1313,9 +1338,10 @@ def _q_spawner_fence(d: _Dialect, job_id: int, token: str) -> sa.Select[Any]:
 def _q_held_spawns(d: _Dialect, spawners: Sequence[int]) -> sa.Select[Any]:
     """The held jobs of these spawners, containers before their children (ids grow down a
     submit). Through ix_jobs_held: keep the predicate spelled as the index's."""
-    return (
-        sa.select(_c.id, _c.parent_id, _c.is_container, _c.spawned_by, _c.spawn_token)
-        .where(_state_is("held"), _id_in(d, _c.spawned_by, spawners)).order_by(_c.id)
+    return d.lock_wait(
+        sa.select(_c.id, _c.parent_id, _c.is_container, _c.spawned_by, _c.spawn_token, _c.cancel_requested)
+        .where(_state_is("held"), _id_in(d, _c.spawned_by, spawners)).order_by(_c.id),
+        via="ix_jobs_held" if d.partial_indexes else "ix_jobs_held_my",
     )
 
 
@@ -1340,6 +1366,26 @@ def _q_uncount_children(parent_id: int, n: int) -> sa.Update:
         _update_jobs().where(_c.id == parent_id, _state_is("waiting", "held"))
         .values(pending_children=_c.pending_children - n)
     )
+
+
+def _q_referrers(ids: Sequence[int]) -> sa.CompoundSelect:
+    """(job, a job that names it) for every dependent and every child of these jobs."""
+    return sa.union_all(
+        sa.select(_deps.c.depends_on_id, _deps.c.job_id).where(_deps.c.depends_on_id.in_(ids)),
+        sa.select(_c.parent_id, _c.id).where(_c.parent_id.in_(ids)),
+    )
+
+
+def _q_close_held(job_id: int, error: str, now: _dt.datetime) -> sa.Update:
+    return (
+        _update_jobs().where(_c.id == job_id, _state_is("held"))
+        .values(state="cancelled", error=error, spawn_token=None, finished_at=now, updated_at=now)
+    )
+
+
+def _q_held_among(ids: Sequence[int]) -> sa.Select[Any]:
+    """Which of these jobs are held spawns, and whose (the lowest id first)."""
+    return sa.select(_c.id, _c.spawned_by).where(_c.id.in_(ids), _state_is("held")).order_by(_c.id)
 
 
 def _q_held_count() -> sa.Select[Any]:
@@ -1502,7 +1548,8 @@ def _q_cancel_unstarted(ids: Sequence[int], error: str, now: _dt.datetime, *, ro
 
 
 def _q_request_cancel(ids: Sequence[int]) -> sa.Update:
-    return _update_jobs().where(_c.id.in_(ids), _state_is(*_LIVE)).values(cancel_requested=True)
+    """Live jobs are asked to stop; a held spawn keeps the request for its release."""
+    return _update_jobs().where(_c.id.in_(ids), _state_is(*_LIVE, "held")).values(cancel_requested=True)
 
 
 def _q_reopen(job_id: int, state: str, pending: int, now: _dt.datetime, **counters: int) -> sa.Update:
@@ -3629,7 +3676,8 @@ def enqueue(
             return that job's id and write nothing; once it is done, failed or cancelled the
             key is free again. 1-200 characters, compared exactly. Enforced by a unique index,
             so concurrent enqueuers get one job; see the README's "Unique jobs" for what
-            happens inside your own transaction.
+            happens inside your own transaction. A ``held`` job (spawned by a handler still
+            running) holding it is not handed out: :class:`UniqueKeyHeld` is raised.
 
     Returns:
         The new job's id (or, with ``unique_key``, the id of the unfinished job holding it).
@@ -3638,6 +3686,8 @@ def enqueue(
         InvalidJob: bad input, an unknown dependency or parent, a parent that is not an open
             container, or a dependency that waits for the container this job would be inside.
             Nothing is written, also not in the caller's transaction.
+        UniqueKeyHeld: ``unique_key`` belongs to a held job another running handler spawned
+            (an InvalidJob: retry later). Nothing is written.
     """
     fields = dict(locals())  # exactly the parameters: the job fields and the target
     del fields["target"]
@@ -3668,6 +3718,8 @@ def submit(target: Engine | Connection | orm.Session, jobs: Sequence[Mapping[str
             work that waits for its own container), a ``unique_key`` given twice, or a new
             container whose children all turned out to exist already (by ``unique_key``).
             Nothing is written.
+        UniqueKeyHeld: an item's ``unique_key`` belongs to a held job another running
+            handler spawned (an InvalidJob: retry later). Nothing is written.
     """
     return _submit(target, _plan(jobs, single=False))
 
@@ -3829,9 +3881,23 @@ def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime,
         for chunk in _chunks(sorted(keys)):
             held.update((keys[u], i) for u, i in d.live_keys(conn, chunk).items())
         if held:
+            _refuse_unborn_holders(conn, plan, held, hold.own if hold is not None else frozenset())
             plan = _without(plan, held)
     ids = _insert_new(conn, d, plan, now, hold) if plan.specs else {}
     return {**ids, **held}
+
+
+def _refuse_unborn_holders(conn: Connection, plan: _Plan, holders: Mapping[str, int], own: frozenset[int]) -> None:
+    """A unique key held by another dispatch's ``held`` spawn is refused (UniqueKeyHeld): that
+    job exists only if its spawner's result commits, so its id can be neither handed out (the
+    caller would wire work to a job that may vanish) nor replaced by a new job (the release
+    would then collide). The holders are share-locked by live_keys: the state read stays true
+    until this transaction ends. A dispatch's own held spawns (``own``) are its to name."""
+    ids = sorted(set(holders.values()) - own)
+    for chunk in _chunks(ids):
+        for r in conn.execute(_q_held_among(chunk)):
+            key = next(k for k, i in holders.items() if i == r.id)
+            raise UniqueKeyHeld(str(plan.specs[key].unique_key), int(r.id), int(r.spawned_by))
 
 
 def _without(plan: _Plan, held: Mapping[str, int]) -> _Plan:
@@ -5236,7 +5302,8 @@ def _close_jobs(conn: Connection, now: _dt.datetime, cause: Mapping[int, int], s
 
 def _held_of(conn: Connection, d: _Dialect, dispatches: Collection[tuple[int, str | None]]) -> list[Any]:
     """The held jobs of these dispatches, (spawner id, its lease token) each: a batch may hold
-    a stale dispatch of a job next to its current one, and only the current one's are its."""
+    a stale dispatch of a job next to its current one, and only the current one's are its.
+    Locked: a cancel of one of them commits before this reads its request, or waits."""
     out: list[Any] = []
     for chunk in _chunks(sorted({j for j, _ in dispatches})):
         out += [r for r in conn.execute(_q_held_spawns(d, chunk)) if (r.spawned_by, r.spawn_token) in dispatches]
@@ -5286,6 +5353,14 @@ def _release_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches
     for bad_state in _BAD:
         _close_jobs(conn, now, by_upstream[bad_state], bad_state, todo)
         _close_jobs(conn, now, by_box[bad_state], bad_state, todo, by_container=True)
+    closed = {i for i, _ in todo}
+    for r in rows:  # cancel() asked while they were held: cancelled as cancel() would now
+        if r.cancel_requested and r.id not in closed:
+            conn.execute(_q_cancel_unstarted([r.id], "cancelled", now, root=True))
+            todo.append((r.id, "cancelled"))
+            if r.is_container:
+                todo.extend(_cancel_subtree(conn, d, now, r.id))
+            closed.update(i for i, _ in todo)
     if todo:
         _settle(conn, d, now, list(todo))
     if any(state == "ready" for state, _ in groups):
@@ -5304,13 +5379,17 @@ def _discard_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches
     for r in rows:
         if r.parent_id is not None and r.parent_id not in mine:
             per_box[r.parent_id] = per_box.get(r.parent_id, 0) + 1
-    for chunk in _chunks(sorted(mine)):
+    kept = _referenced_held(conn, rows)
+    gone = [r for r in rows if r.id not in kept]
+    for chunk in _chunks(sorted(r.id for r in gone)):
         conn.execute(_q_delete_edges(chunk))
-    leaves = sorted(r.id for r in rows if not r.is_container)
+    leaves = sorted(r.id for r in gone if not r.is_container)
     for chunk in _chunks(leaves):
         conn.execute(_q_delete_jobs(chunk))
-    for jid in sorted((r.id for r in rows if r.is_container), reverse=True):  # innermost first (foreign keys)
+    for jid in sorted((r.id for r in gone if r.is_container), reverse=True):  # innermost first (foreign keys)
         conn.execute(_q_delete_jobs([jid]))
+    if kept:
+        _cancel_tree(conn, d, now, [r for r in rows if r.id in kept])
     rolled: list[tuple[int, str]] = []
     for pid, n in sorted(per_box.items()):
         if not conn.execute(_q_uncount_children(pid, n)).rowcount:
@@ -5322,6 +5401,43 @@ def _discard_spawns(conn: Connection, d: _Dialect, now: _dt.datetime, dispatches
             rolled.append((pid, state))
     if rolled:
         _settle(conn, d, now, rolled)
+
+
+def _referenced_held(conn: Connection, rows: Sequence[Any]) -> set[int]:
+    """The held jobs (``rows``, one dispatch's) that a job outside them names, as upstream or as
+    container, with the held containers around those. Nothing outside may name a held job
+    (_insert_new and _refuse_unborn_holders refuse it), so this is empty unless that rule
+    has a hole: then deleting them would leave a dependency that never resolves, or a child
+    whose container is gone (a foreign-key error in every reclaim, which wedges the queue)."""
+    mine = {r.id for r in rows}
+    named: set[int] = set()
+    for chunk in _chunks(sorted(mine)):
+        for held_id, by in conn.execute(_q_referrers(chunk)):
+            if by not in mine:
+                named.add(held_id)
+    parent = {r.id: r.parent_id for r in rows}
+    out: set[int] = set()
+    for i in named:
+        while i in mine and i not in out:  # a kept job keeps its held containers (foreign keys)
+            out.add(i)
+            i = parent[i]
+    return out
+
+
+def _cancel_tree(conn: Connection, d: _Dialect, now: _dt.datetime, rows: Sequence[Any]) -> None:
+    """Held jobs that something outside names, of a dispatch whose result never commits
+    (_referenced_held): closed as cancelled instead of deleted, with whatever depends on them
+    or sits in them cancelled too (cancel's walk). Their containers are uncounted by the
+    caller as for the deleted spawns, so they settle here without counting into them."""
+    ids = sorted(r.id for r in rows)
+    spawner = {r.id: r.spawned_by for r in rows}
+    for i in ids:
+        conn.execute(_q_close_held(i, f"cancelled: spawned by job {spawner[i]}, whose result never committed", now))
+    closed = [(i, "cancelled") for i in ids]
+    for r in rows:
+        if r.is_container:
+            closed += _cancel_subtree(conn, d, now, r.id)
+    _settle(conn, d, now, closed, {i: None for i in ids})
 
 
 # ---- reclaim ----------------------------------------------------------------------------------
@@ -5396,12 +5512,36 @@ def _subtree(conn: Connection, root: int) -> list[int]:
     return out
 
 
+def _cancel_subtree(conn: Connection, d: _Dialect, now: _dt.datetime, box: int) -> list[tuple[int, str]]:
+    """Cancel the unfinished subtree of container ``box`` (locked by the caller), level by level,
+    each row locked before its state is read: unstarted jobs close naming their container
+    (the error names ``box``), leased/running ones are asked to stop. Held spawns are not
+    walked: their release applies their container's state. Returns the jobs closed, to settle."""
+    closed: list[tuple[int, str]] = []
+    level = conn.execute(_q_lock_open_children(d, [box])).all()
+    while level:
+        unstarted = [r.id for r in level if r.state in ("waiting", "ready")]
+        for chunk in _chunks(unstarted):
+            conn.execute(_q_cancel_unstarted(chunk, f"cancelled with container {box}", now, root=False))
+        closed += [(i, "cancelled") for i in unstarted]
+        for chunk in _chunks([r.id for r in level if r.state in _LIVE]):
+            conn.execute(_q_request_cancel(chunk))
+        boxes = [r.id for r in level if r.is_container]
+        level = []
+        for chunk in _chunks(boxes):
+            level += conn.execute(_q_lock_open_children(d, chunk)).all()
+    return closed
+
+
 def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
     """Cancel a job, or a container with its whole subtree.
 
     A waiting or ready job becomes ``cancelled`` at once; a leased or running one is asked to
     stop (its handler sees ``ctx.stop_requested`` with reason "cancelled" at the next heartbeat)
-    and ends ``cancelled`` when it returns, whatever it returns. Jobs that depend on a
+    and ends ``cancelled`` when it returns, whatever it returns. A ``held`` job (spawned by a
+    handler still running) records the request too: the transaction that commits its
+    spawner's result releases it cancelled (with its subtree), and it never runs; if the
+    spawner fails, the job is deleted with its other spawns. Jobs that depend on a
     cancelled job are cancelled too, naming the cause. A finished job (done, failed or
     cancelled, also one cancelled because of its upstream) is left exactly as it is.
 
@@ -5410,8 +5550,9 @@ def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> s
     either seen and cancelled or refused (its container is cancelled by then).
 
     Returns:
-        The job's state afterwards ("cancelled", or its live/terminal state if it was running
-        or had finished).
+        The job's state afterwards: "cancelled"; its live state ("leased", "running") or
+        "held" when the cancel is requested (``cancel_requested`` is set); or its terminal
+        state if it had finished.
 
     Raises:
         InvalidJob: no such job.
@@ -5425,19 +5566,9 @@ def cancel(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> s
             raise InvalidJob(f"cancel: no job with id {job_id}")
         if root.state in TERMINAL:
             return str(root.state)
-        closed: list[tuple[int, str]] = []
-        level = [root]
-        while level:
-            unstarted = [r.id for r in level if r.state in ("waiting", "ready") and r.id != job_id]
-            for chunk in _chunks(unstarted):
-                conn.execute(_q_cancel_unstarted(chunk, f"cancelled with container {job_id}", t, root=False))
-            closed += [(i, "cancelled") for i in unstarted]
-            for chunk in _chunks([r.id for r in level if r.state in _LIVE]):
-                conn.execute(_q_request_cancel(chunk))
-            boxes = [r.id for r in level if r.is_container]
-            level = []
-            for chunk in _chunks(boxes):
-                level += conn.execute(_q_lock_open_children(d, chunk)).all()
+        if root.state in (*_LIVE, "held"):  # a held job's request is applied by its release (_release_spawns)
+            conn.execute(_q_request_cancel([job_id]))
+        closed = _cancel_subtree(conn, d, t, job_id) if root.is_container else []
         if root.state in ("waiting", "ready"):
             # the root says plainly what happened to it; its descendants name the container
             conn.execute(_q_cancel_unstarted([job_id], "cancelled", t, root=True))
@@ -5729,6 +5860,10 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
             return (f"{head} is {r.state}: {_one_line(r.error or '')} ({which}, or re-open the chain from its "
                     f"root: jobq retry --root {job_id}){note}")
         if r.state == "held":
+            if r.cancel_requested:
+                return (f"{head} is held: spawned by job {r.spawned_by}, whose handler is still running; cancel "
+                        f"requested: it ends cancelled (never runs) if that job's result commits, and is deleted if it "
+                        f"does not")
             return (f"{head} is held: spawned by job {r.spawned_by}, whose handler is still running; it becomes work "
                     f"if that job's result commits, and is deleted if it does not")
         if r.state in _LIVE:
@@ -6060,6 +6195,7 @@ class JobContext:
         Raises:
             InvalidJob: bad input, as :func:`jobq.enqueue` (also: naming a held job of another
                 dispatch). Nothing is written.
+            UniqueKeyHeld: the ``unique_key`` belongs to a held job of another dispatch.
             LeaseLost: this dispatch no longer holds its lease, or the job was cancelled.
             JobqError: not a worker's context.
         """
@@ -6077,6 +6213,7 @@ class JobContext:
 
         Raises:
             InvalidJob: a bad item, as :func:`jobq.submit`. Nothing is written.
+            UniqueKeyHeld: an item's ``unique_key`` belongs to a held job of another dispatch.
             LeaseLost: this dispatch no longer holds its lease, or the job was cancelled.
             JobqError: not a worker's context.
         """
@@ -7669,6 +7806,16 @@ aio = _AioNamespace()
 _EXIT_NO_SUCH_JOB, _EXIT_USAGE, _EXIT_DATABASE, _EXIT_INTERNAL = 1, 2, 3, 4
 
 
+def _cancel_outcome(state: str) -> str:
+    """What cancel() returning ``state`` means, in words (the CLI and the dashboard)."""
+    if state in _LIVE:
+        return "cancel requested; it ends cancelled when its handler returns"
+    if state == "held":
+        return ("cancel requested; it ends cancelled (never runs) when its spawner's result releases it, "
+                "or is deleted with the spawner's other spawns if that handler fails")
+    return state
+
+
 class _CliError(Exception):
     """An error the command reports as one line, with its exit code."""
 
@@ -8327,7 +8474,7 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         if cmd == "retry":
             _print_json({"id": ns.id, "reopened": outcome}) if ns.json else print("re-opened: " + " ".join(map(str, outcome)))
         else:
-            _print_json({"id": ns.id, "state": outcome}) if ns.json else print(f"job {ns.id}: {outcome}")
+            _print_json({"id": ns.id, "state": outcome}) if ns.json else print(f"job {ns.id}: {_cancel_outcome(outcome)}")
     elif cmd in ("group", "groups"):
         if cmd == "groups":
             policies = groups(engine)

@@ -658,8 +658,8 @@ class Dashboard:
             raise _HttpError(409, jobq._one_line(exc)) from None
         if action == "retry":
             message = f"re-opened {', '.join(map(str, outcome))}"
-        elif outcome in jobq._LIVE:  # the handler is asked to stop; the job is not cancelled yet
-            message = f"job {job_id}: cancel requested; it ends cancelled when its handler returns"
+        elif outcome in (*jobq._LIVE, "held"):  # asked to stop, or cancelled at its release: not cancelled yet
+            message = f"job {job_id}: {jobq._cancel_outcome(outcome)}"
         elif outcome in ("done", "failed"):
             raise _HttpError(409, f"job {job_id} is {outcome} already: there is nothing to cancel")
         else:

@@ -370,16 +370,20 @@ def test_one_batch_with_a_stale_and_the_current_dispatch_of_a_job_releases_only_
 
 def test_a_held_spawn_holds_its_unique_key_so_its_release_never_collides(engine: sa.Engine) -> None:
     """A handler spawns a job with a unique key; while it is held, an outside enqueue of the same
-    key gets the held job's id and writes nothing, and after the spawner's result commits the
-    job runs once under that id. A second handler failing after spawning the key frees it
-    again. A bug shows two jobs with the key (a duplicate released next to the outside one), or
-    a finalize failing on the unique index when the held job is released."""
+    key is refused (UniqueKeyHeld, tests/core/test_spawn_held.py) and writes nothing, and after
+    the spawner's result commits the job runs once under its id. A second handler failing
+    after spawning the key frees it again. A bug shows two jobs with the key (a duplicate
+    released next to the outside one), or a finalize failing on the unique index when the held
+    job is released."""
     seen: dict[str, int] = {}
     ran: list[int] = []
 
     def parent(ctx: jobq.JobContext) -> None:
         seen["spawned"] = ctx.enqueue("leaf", unique_key="page:/a")
-        seen["outside"] = jobq.enqueue(engine, "leaf", unique_key="page:/a")
+        try:
+            jobq.enqueue(engine, "leaf", unique_key="page:/a")
+        except jobq.UniqueKeyHeld as exc:
+            seen["outside"] = exc.job_id
 
     def failing(ctx: jobq.JobContext) -> None:
         seen["doomed"] = ctx.enqueue("leaf", unique_key="page:/b")

@@ -398,6 +398,25 @@ def test_cancelling_a_running_job_says_cancel_requested(engine: sa.Engine) -> No
     assert r.status == 409 and "nothing to cancel" in r.json()["error"] and jobq.get(engine, done).state == "done"
 
 
+def test_cancelling_a_held_job_says_cancel_requested_and_when_it_applies(engine: sa.Engine) -> None:
+    """A held job (spawned by a handler still running) offers Cancel; the action records the
+    request and says when it applies (the spawner's release), not "job N: held"; the page
+    marks the request and offers no second Cancel."""
+    sid = jobq.enqueue(engine, "s", max_attempts=1)
+    lease = jobq.claim_batch(engine, "w", 30)[0]
+    x = jobq._spawn(engine, jobq._plan([{"type": "leaf"}], single=True),
+                    jobq._Hold(sid, lease.token, frozenset()))[jobq._ONE]
+    app = jobq_web.app(engine, token=TOKEN)
+    cookie, _ = _session(app)
+    assert 'id="cancel"' in html_ok(call(app, f"/jobs/{x}", cookie=cookie))
+    r = call(app, f"/jobs/{x}/cancel", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status == 200 and r.json()["result"] == "held", r.body
+    assert r.json()["message"].startswith(f"job {x}: cancel requested") and "spawner" in r.json()["message"]
+    assert call(app, f"/api/jobs/{x}").json()["cancel_requested"] is True
+    page = html_ok(call(app, f"/jobs/{x}", cookie=cookie))
+    assert 'id="cancel-requested">cancel requested<' in page and 'id="cancel"' not in page
+
+
 def test_a_short_token_is_refused(engine: sa.Engine) -> None:
     with pytest.raises(ValueError, match="at least 8"):
         jobq_web.app(engine, token="abc")
