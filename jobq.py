@@ -314,6 +314,10 @@ _PRIORITY_DESC = sa.text("priority DESC")
 _UNIQUE_LIVE_WHERE = "unique_key IS NOT NULL AND state IN ('waiting', 'ready', 'leased', 'running', 'held')"
 
 
+#: The due index's predicate: the ready rows. Keep in sync with _q_any_due.
+_DUE_WHERE = "state = 'ready' AND attempts >= 0"
+
+
 class Job(Base):
     """One job: a runnable leaf or a container, with its lease and DAG bookkeeping.
 
@@ -382,6 +386,15 @@ class Job(Base):
         # _q_group_counts, _Q_READY_GROUPS and _upgrade_4_state (priority: schema 4).
         _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
         _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
+        # The claim's first question: is anything due at all? The ready index, ordered by
+        # priority before run_after, cannot answer it without walking every job scheduled for
+        # later; this one answers it from its first entry, so a tick with nothing due reads
+        # none of them. Its predicate has a term (always true) that only the due check names,
+        # so the planners cannot take it for the claim's reads (in a backlog, a read of one
+        # group through it would visit every due job); MySQL/MariaDB's claim reads name their
+        # index (d.ready_index_hint). Keep in sync with _q_any_due and _add_due_index.
+        _partial_index("ix_jobs_due", "run_after", where=_DUE_WHERE),
+        _mysql_index("ix_jobs_due_my", "state", "run_after"),
         # Cap accounting and reclaim read only in-flight rows. lease_expires is deliberately not
         # indexed: heartbeats rewrite it, and an indexed column would defeat PostgreSQL HOT.
         # The predicate is spelled exactly as the queries render `in_flight == true()`, so the
@@ -601,6 +614,7 @@ def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
     if found < 4:
         _upgrade_4_state(conn, d)
         _upgrade_4_spawn(conn, d)
+    _add_due_index(conn, d)
     if not d.partial_indexes:
         # Checked on every start (one catalogue read), with no version of its own, like the
         # parent key below: a jobq.py of before reads the re-keyed indexes as well.
@@ -674,6 +688,16 @@ def _rekey_mysql_indexes(conn: Connection) -> None:
     for name in ("ix_jobs_finished_my", "ix_jobs_held_my"):
         if name not in found:
             next(i for i in _jobs.indexes if i.name == name).create(conn)
+
+
+def _add_due_index(conn: Connection, d: _Dialect) -> None:
+    """The due index (ix_jobs_due, or ix_jobs_due_my), made where it is missing. Checked on every
+    start (one catalogue read), with no version of its own: a jobq.py of before works with
+    it too (it only keeps the index up to date), and one after it finds it made."""
+    name = "ix_jobs_due" if d.partial_indexes else "ix_jobs_due_my"
+    if name not in {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}:
+        next(i for i in _jobs.indexes if i.name == name).create(conn)
+        logger.info("jobq: made the index %s (a tick with nothing due reads no scheduled job)", name)
 
 
 def _rekey_parent_index(conn: Connection) -> None:
@@ -884,6 +908,16 @@ def _q_due_weights(now: _dt.datetime) -> sa.Select[Any]:
             .where(_state_is("ready"), _c.run_after <= now).group_by(_c.group_key))
 
 
+def _q_any_due(d: _Dialect) -> sa.Select[Any]:
+    """Whether any ready job is due: the first entry of the due index (ix_jobs_due, spelled as
+    its predicate _DUE_WHERE; on MySQL/MariaDB ix_jobs_due_my, a range their optimizers size
+    by index dives), however many jobs are scheduled for later. A claim that finds none reads
+    nothing else of the ready set. Not named by a hint: a database whose create_schema has not
+    yet made the index must still claim."""
+    return _prebuilt(d, "any_due", lambda: sa.select(sa.literal_column("1")).where(
+        _state_is("ready"), _c.attempts >= sa.literal_column("0"), _c.run_after <= sa.bindparam("b_now", type_=_TS)).limit(1))
+
+
 def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
     """The claim's locking read of one group's oldest runnable jobs (prebuilt per dialect)."""
     def build() -> sa.Select[Any]:
@@ -891,6 +925,8 @@ def _q_candidates(d: _Dialect, typed: bool) -> sa.Select[Any]:
                                             _c.run_after <= sa.bindparam("b_now", type_=_TS))
         if typed:
             stmt = stmt.where(_types_in(d))
+        if d.ready_index_hint:
+            stmt = stmt.with_hint(_jobs, d.ready_index_hint)
         return d.lock_skip(stmt.order_by(*_CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
 
     return _prebuilt(d, f"candidates:{typed}", build)
@@ -2167,9 +2203,10 @@ class _Dialect:
     span_first: bool = False
     #: A compound SELECT may LIMIT its parenthesised terms (not SQLite).
     compound_limits: bool = True
-    #: The ready index, named for the window read's compound terms (MySQL/MariaDB): in a UNION
-    #: term MariaDB dropped the ORDER BY ... LIMIT index choice and sorted a big group's whole
-    #: ready set (tests/core/test_priority.py catches it).
+    #: The ready index, named for the window read's compound terms and one group's candidates
+    #: (MySQL/MariaDB): in a UNION term MariaDB dropped the ORDER BY ... LIMIT index choice and
+    #: sorted a big group's whole ready set (tests/core/test_priority.py catches it); and the
+    #: due index (state, run_after) looks cheaper to them whenever few jobs are due.
     ready_index_hint: str = ""
     #: FORCE INDEX for statements that lock or rewrite rows they name (MySQL/MariaDB). InnoDB
     #: waits for the lock on every row such a statement examines, matching or not (its
@@ -4800,6 +4837,10 @@ def _lease_rows(
             stored = _lock_claim(conn, d)
     if pin:
         d.pinned(conn)
+    # Nothing due: done, without reading the ready index (whose order puts priority before
+    # run_after, so its reads walk every job scheduled for later) or counting slots.
+    if not _hot_rows(conn, _q_any_due(d), {"b_now": now}):
+        return []
     if max_in_flight is not None or group_caps or rate_limits or stored[1]:
         if fresh_now and (rate_limits or stored[1]):
             now = d.db_now(conn)

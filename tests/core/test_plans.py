@@ -119,6 +119,19 @@ def test_the_idle_check_written_as_one_or_is_caught(engine: sa.Engine) -> None:
         _check("one OR", _plans(engine, broken))
 
 
+@only("sqlite", "postgresql")
+def test_the_due_check_searches_the_due_index(engine: sa.Engine) -> None:
+    """The claim's first question (is anything due?) is a search of ix_jobs_due, ordered by
+    run_after, which stops at its first entry; not a walk of the ready index, whose order puts
+    priority first (tests/core/test_scheduled.py counts what it reads on every engine)."""
+    with engine.begin() as conn:
+        jobq.submit(conn, [{"key": str(i), "type": "t", "group_key": f"g{i % 7}", "priority": i % 3,
+                            "run_after": dt.timedelta(days=1)} for i in range(2000)])
+    plan = _plans(engine, jobq._q_any_due(_d(engine)).params(b_now=NOW))
+    assert "ix_jobs_due" in plan and "ix_jobs_ready" not in plan, plan
+    assert "Seq Scan" not in plan and "SCAN jobs" not in plan, plan
+
+
 def _span_dives(plan: str) -> bool:
     # Both ends of the ready index read by a search each, not by a walk of the index.
     return plan.count("SEARCH jobs USING INDEX ix_jobs_ready") == 2 and "SCAN jobs USING INDEX ix_jobs_ready" not in plan

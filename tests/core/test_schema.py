@@ -132,11 +132,12 @@ def _index_keys(engine: sa.Engine) -> dict[str, list[str]]:
 @only("mysql", "mariadb")  # the engines without partial indexes
 def test_only_the_ready_index_leads_with_state_on_mysql_and_mariadb(engine: sa.Engine) -> None:
     """Every state change (a claim's lease, a finish) moves an entry of each index that leads
-    with state; where partial indexes are missing only the claim's own scan may. The bug: the
-    finished or held-spawn index keyed (state, ...) again, a write more per row leased."""
+    with state; where partial indexes are missing only the claim's own scan and the due check
+    (ix_jobs_due_my: it must tell ready rows apart, see tests/core/test_scheduled.py) may. The
+    bug: the finished or held-spawn index keyed (state, ...) again, a write more per row leased."""
     jobq.create_schema(engine)
     keys = _index_keys(engine)
-    assert {n for n, cols in keys.items() if cols[0] == "state"} == {"ix_jobs_ready_my"}
+    assert {n for n, cols in keys.items() if cols[0] == "state"} == {"ix_jobs_ready_my", "ix_jobs_due_my"}
     assert keys["ix_jobs_finished_my"] == ["finished_at"] and keys["ix_jobs_held_my"] == ["spawned_by"]
 
 

@@ -127,7 +127,7 @@ def test_an_old_sqlite_jobs_table_is_rebuilt_so_ids_are_not_reused(engine: sa.En
         assert "REFERENCES jobs" in conn.exec_driver_sql("SELECT sql FROM sqlite_master WHERE name = 'job_deps'").scalar()
     assert "AUTOINCREMENT" in ddl.upper()
     assert {i["name"] for i in sa.inspect(engine).get_indexes("jobs")} == {
-        "ix_jobs_ready", "ix_jobs_in_flight", "ix_jobs_children", "ix_jobs_finished", "ix_jobs_waiting",
+        "ix_jobs_ready", "ix_jobs_in_flight", "ix_jobs_children", "ix_jobs_finished", "ix_jobs_waiting", "ix_jobs_due",
         "ix_jobs_held", "ux_jobs_unique_live"}
     assert jobq.get(engine, 2).depends_on == (1,)  # type: ignore[union-attr]
     assert _prune_everything(engine) == 1  # job 3, the newest
