@@ -6647,7 +6647,7 @@ class _WorkerCore:
                 return
             yield left
 
-    def _drain_steps(self, grace: float) -> Generator[Any, Any, None]:
+    def _drain_steps(self, grace: float, unwind: float = 5.0) -> Generator[Any, Any, None]:
         deadline = time.monotonic() + grace
         while True:
             yield self._persist
@@ -6656,10 +6656,10 @@ class _WorkerCore:
                 break
             yield 0.05
         yield functools.partial(self._release_unstarted, pending)
-        yield from self._unwind_steps()
+        yield from self._unwind_steps(unwind)
 
-    def _unwind_steps(self) -> Generator[Any, Any, None]:
-        yield from ()  # AsyncWorker: let cancelled tasks end, then free their slots
+    def _unwind_steps(self, wait: float = 5.0) -> Generator[Any, Any, None]:
+        yield from ()  # AsyncWorker: let cancelled tasks end (up to ``wait`` s), then free their slots
 
     # -- the tick --------------------------------------------------------------------------
 
@@ -7644,20 +7644,20 @@ class AsyncWorker(_WorkerCore):
         self._awake: Any = None  # asyncio.Event, made on the running loop
 
     async def run(self) -> None:
-        """Tick until :meth:`stop` (or SIGTERM/SIGINT in the main thread), then stop gracefully."""
-        done = await self._setup()
-        try:
-            await self._drive(self._run_steps())
-        finally:
-            done()
+        """Tick until :meth:`stop` (or SIGTERM/SIGINT in the main thread), then stop gracefully.
+
+        Cancelling the task that awaits it stops at once instead: the handler tasks are
+        cancelled, their jobs released to ``ready`` (not charged) and results already returned
+        written, then :class:`asyncio.CancelledError` is raised again. The release is written
+        before the handlers are cancelled; one that ignores its cancellation is waited for at
+        most ``shutdown_timeout`` seconds, then abandoned (its job already released, its slot
+        counted until it ends or ``lease_ttl`` passes).
+        """
+        await self._guarded(self._run_steps())
 
     async def run_until_idle(self, timeout: float | None = None) -> bool:
-        """As :meth:`Worker.run_until_idle`."""
-        done = await self._setup()
-        try:
-            return await self._drive(self._until_idle_steps(timeout))
-        finally:
-            done()
+        """As :meth:`Worker.run_until_idle`; cancelling it stops as cancelling :meth:`run` does."""
+        return await self._guarded(self._until_idle_steps(timeout))
 
     async def tick(self) -> int:
         """As :meth:`Worker.tick`."""
@@ -7672,6 +7672,20 @@ class AsyncWorker(_WorkerCore):
 
     # -- the task runner -------------------------------------------------------------------
 
+    async def _guarded(self, steps: Generator[Any, Any, _T]) -> _T:
+        import asyncio
+
+        done = await self._setup()
+        try:
+            return await self._drive(steps)
+        except asyncio.CancelledError:
+            # How an asyncio service stops: no grace, but nothing left running or leased.
+            self._stopping.set()
+            await self._drive(self._drain_steps(0, unwind=self.shutdown_timeout))
+            raise
+        finally:
+            done()
+
     async def _drive(self, steps: Generator[Any, Any, _T]) -> _T:
         sent: Any = None
         while True:
@@ -7680,12 +7694,29 @@ class AsyncWorker(_WorkerCore):
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
             if callable(step):
-                sent = await self._bridge(step)
+                sent = await self._shielded(step)
             elif isinstance(step, (int, float)):
                 await self._nap(step)
                 sent = None
             else:
                 sent = await step
+
+    async def _shielded(self, step: Callable[[], _T]) -> _T:
+        """Run a step (database work) to its end even if the awaiting task is cancelled, which
+        then sees the cancellation after it: a finalize is never cut between its statements
+        and its bookkeeping."""
+        import asyncio
+
+        work = self._loop.create_task(self._bridge(step))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            while not work.done():
+                try:
+                    await asyncio.wait([work])
+                except asyncio.CancelledError:
+                    pass  # cancelled again: still, the step ends first
+            raise
 
     async def _bridge(self, fn: Callable[..., _T], *args: Any) -> _T:
         from sqlalchemy.util import greenlet_spawn
@@ -7729,16 +7760,24 @@ class AsyncWorker(_WorkerCore):
 
         return done
 
-    def _unwind_steps(self) -> Generator[Any, Any, None]:
+    def _unwind_steps(self, wait: float = 5.0) -> Generator[Any, Any, None]:
         import asyncio
 
-        if self._tasks:  # cancelled by the release: let them unwind, then free their held slots
-            yield asyncio.wait(list(self._tasks.values()), timeout=5)
-            yield self._persist
+        if self._tasks:  # cancelled by the release: let them unwind
+            yield asyncio.wait(list(self._tasks.values()), timeout=wait)
+            yield asyncio.sleep(0)  # the done callbacks of tasks that ended before the wait (_task_done)
+        yield self._persist  # their outcomes free the slots the release held (tasks done already included)
 
     def _start_all(self, runs: Sequence[_Running]) -> None:
         for run in runs:
-            self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
+            task = self._tasks[run.key] = self._loop.create_task(self._execute_task(run))
+            task.add_done_callback(functools.partial(self._task_done, run))
+
+    def _task_done(self, run: _Running, task: Any) -> None:
+        # A task cancelled before its first step never ran _execute_task: its outcome, which
+        # frees the slot a release holds for it, is queued here instead.
+        if task.cancelled() and self._tasks.pop(run.key, None) is not None:
+            self._finish(run, "error", "handler task cancelled before it started")
 
     def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
         return self._bridge(self._store_checkpoint, ctx, state)  # awaited by the handler

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -212,3 +213,168 @@ def test_async_worker_runs_at_most_its_local_concurrency(db_url: str, engine: sa
     assert _run(scenario, db_url) == (2, True)
     assert peak <= 2
     assert [state(engine, i) for i in ids] == ["done"] * 4
+
+
+class _OldRun:
+    """BROKEN: AsyncWorker's run loop without its cancellation handling (the loop and the
+    heartbeats stop; the handler tasks keep running and their jobs stay leased)."""
+
+    async def _guarded(self, steps):
+        done = await self._setup()
+        try:
+            return await self._drive(steps)
+        finally:
+            done()
+
+
+async def _unshielded(self, step):
+    """BROKEN: database steps run in the awaiting task, so a cancel lands inside them."""
+    return await self._bridge(step)
+
+
+def _cancel_the_worker_task(db_url: str, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, *,
+                            stubborn: bool = False) -> None:
+    """Jobs A and B run together on an AsyncWorker; A returns while B still runs, and the task
+    running ``worker.run()`` is cancelled while A's finalize is inside its transaction (the
+    checkpoint "finalize_before_commit"). Correct: run() raises CancelledError; A's finish is
+    written (done, its result kept); B's handler task is cancelled (or, ``stubborn``, ignores
+    it and is abandoned after shutdown_timeout) and its job is back to ``ready`` without a
+    charged attempt, before run() returns. Bugs: B's handler still running and its job still
+    leased (cancel not handled); A's finish cut short by the cancel (not shielded)."""
+    a = jobq.enqueue(engine, "a")
+    b = jobq.enqueue(engine, "b")
+    cancelled: list[int] = []
+    hook: dict[str, Any] = {}
+
+    def checkpoint(point: str, job_ids=()) -> None:
+        if point == "finalize_before_commit" and a in job_ids and "task" in hook:
+            hook.pop("task").cancel()
+
+    monkeypatch.setattr(jobq, "_checkpoint", checkpoint)
+
+    async def scenario(eng: AsyncEngine) -> None:
+        b_started, release_stubborn = asyncio.Event(), asyncio.Event()
+
+        async def job_a(ctx: jobq.JobContext) -> dict:
+            await b_started.wait()
+            return {"a": 1}
+
+        async def job_b(ctx: jobq.JobContext) -> None:
+            b_started.set()
+            while True:
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    cancelled.append(ctx.id)
+                    if not stubborn:
+                        raise
+                    await release_stubborn.wait()  # ignores its cancellation until the test is done
+                    return
+
+        w = jobq.AsyncWorker(eng, {"a": job_a, "b": job_b}, max_concurrency=2, poll_interval=0.05,
+                             shutdown_timeout=0.5)
+        task = hook["task"] = asyncio.get_running_loop().create_task(w.run())
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 30)
+            assert "task" not in hook, "run() ended before A's finalize"
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            assert cancelled == [b], "B's handler task was not cancelled"
+            assert len(handlers) == (1 if stubborn else 0), f"handler tasks left running: {handlers}"
+            info_a, info_b = jobq.get(engine, a), jobq.get(engine, b)
+            assert info_a is not None and (info_a.state, info_a.result) == ("done", {"a": 1}), \
+                f"A's finish was not written: {info_a and info_a.state}"
+            assert info_b is not None and (info_b.state, info_b.attempts, info_b.lease_owner) == ("ready", 0, None), \
+                f"B was not released: {info_b and (info_b.state, info_b.attempts, info_b.lease_owner)}"
+        finally:
+            release_stubborn.set()
+            hook.pop("task", task).cancel()
+            leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if leftover:
+                await asyncio.wait(leftover, timeout=10)
+
+    _run(scenario, db_url)
+    if stubborn:  # the abandoned handler's late return is refused: B stays released
+        assert (state(engine, b), jobq.get(engine, b).attempts) == ("ready", 0)
+
+
+def _cancel_at_the_claims_commit(db_url: str, engine: sa.Engine) -> None:
+    """The task running ``worker.run()`` is cancelled while the tick that leases job C commits
+    (a "commit" event on the engine, once C is leased in the transaction). Correct: the step
+    runs to its end (C leased and its task started), then the cancel stops it: C is back to
+    ``ready``, not charged, no slot held, no task left, and run() raises CancelledError. A bug
+    (the step cut at its commit): C leased in the database by a worker that never ran it, until
+    its lease expires."""
+    c = jobq.enqueue(engine, "c")
+    jobs = jobq.Job.__table__
+
+    async def scenario(eng: AsyncEngine) -> None:
+        async def job_c(ctx: jobq.JobContext) -> None:
+            await asyncio.sleep(30)
+
+        w = jobq.AsyncWorker(eng, {"c": job_c}, max_concurrency=1, poll_interval=0.05, shutdown_timeout=0.5,
+                             lease_ttl=60)
+        hook: dict[str, Any] = {}
+
+        def on_commit(conn: sa.Connection) -> None:
+            if "task" in hook and conn.execute(sa.select(jobs.c.state).where(jobs.c.id == c)).scalar() != "ready":
+                hook.pop("task").cancel()
+
+        sa.event.listen(eng.sync_engine, "commit", on_commit)
+        task = hook["task"] = asyncio.get_running_loop().create_task(w.run())
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 30)
+            assert "task" not in hook, "run() ended before C was claimed"
+            info = jobq.get(engine, c)
+            assert info is not None and (info.state, info.attempts, info.lease_owner) == ("ready", 0, None), \
+                f"C was not released: {info and (info.state, info.attempts, info.lease_owner)}"
+            with engine.connect() as conn:
+                assert conn.execute(sa.select(sa.func.count()).select_from(jobq._slots)).scalar_one() == 0
+            assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+        finally:
+            sa.event.remove(eng.sync_engine, "commit", on_commit)
+            hook.pop("task", task).cancel()
+            leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if leftover:
+                await asyncio.wait(leftover, timeout=10)
+
+    _run(scenario, db_url)
+
+
+@pytest.mark.parametrize("point", ["finalize", "finalize_stubborn_handler", "claim_commit"])
+def test_cancelling_the_worker_task_stops_its_handlers_and_releases_their_jobs(
+        db_url: str, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """Cancelling ``await worker.run()`` leaves no handler running (a stubborn one abandoned
+    after shutdown_timeout) and no job leased, and loses no result, whether the cancel comes
+    during a finalize or at a claim's commit (see the two scenarios)."""
+    if point == "claim_commit":
+        _cancel_at_the_claims_commit(db_url, engine)
+    else:
+        _cancel_the_worker_task(db_url, engine, monkeypatch, stubborn=point == "finalize_stubborn_handler")
+
+
+@pytest.mark.parametrize("broken", ["cancel_not_handled", "steps_not_shielded"])
+def test_the_cancel_check_catches_a_broken_async_worker(
+        db_url: str, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, broken: str) -> None:
+    """The broken variants: the old run loop (a cancel leaves the handlers running and their
+    jobs leased), and database steps that a cancel cuts at their commit (a job leased in the
+    database that the worker never ran)."""
+    if broken == "cancel_not_handled":
+        monkeypatch.setattr(jobq.AsyncWorker, "_guarded", _OldRun._guarded)
+        with pytest.raises(AssertionError):
+            _cancel_the_worker_task(db_url, engine, monkeypatch)
+    else:
+        # Whether the cut commit reached the server first depends on the driver's timing (a
+        # cancel that lands before COMMIT is sent rolls back, harmlessly): a few tries, one catch.
+        monkeypatch.setattr(jobq.AsyncWorker, "_shielded", _unshielded)
+        caught = []
+        for _ in range(5):
+            try:
+                _cancel_at_the_claims_commit(db_url, engine)
+            except AssertionError as exc:
+                caught.append(str(exc))
+                break
+            with engine.begin() as conn:  # a clean queue for the next try
+                conn.execute(sa.delete(jobq.Job.__table__))
+        assert caught and "C was not released" in caught[0], caught
