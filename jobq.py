@@ -60,6 +60,7 @@ __all__ = [
     "ConfigError",
     "EVENT_ACTIONS",
     "Event",
+    "GlobalLimit",
     "GroupPolicy",
     "InvalidJob",
     "Job",
@@ -98,6 +99,7 @@ __all__ = [
     "finalize",
     "get",
     "get_group",
+    "get_limit",
     "groups",
     "heartbeat",
     "main",
@@ -107,6 +109,7 @@ __all__ = [
     "release",
     "retry",
     "set_group",
+    "set_limit",
     "stats",
     "submit",
     "tick",
@@ -559,6 +562,9 @@ for _ddl in _DDL_UNIQUE_LIVE:
 
 #: The jobq_meta row every capped claim locks: the cap's serialisation point.
 _CLAIM_LOCK_KEY = "claim_lock"
+#: The jobq_meta row holding the global limits (set_limit), as JSON; "" until first set. It
+#: sorts after claim_lock: every statement that locks both locks them in key order.
+_GLOBAL_LIMITS_KEY = "global_limits"
 
 
 # ---- schema version and upgrades --------------------------------------------------------------
@@ -1689,33 +1695,52 @@ def _q_log_leased_starts(d: _Dialect) -> sa.Insert:
 
 _Q_LOG_STARTS = sa.insert(_starts).values(group_key=sa.bindparam("b_group", type_=_NAME), started_at=sa.bindparam("b_now", type_=_TS),
                                            n=sa.bindparam("b_n", type_=sa.Integer))
-_Q_LOCK_CLAIM = sa.select(_meta.c.key, _meta.c.value).where(_meta.c.key == _CLAIM_LOCK_KEY)
-# The claim_lock row's value without the lock: a claim without caps of its own reads it to learn
-# whether stored policy limits any group (then it takes the lock after all).
+# The claim's lock: the claim_lock row and the global_limits row, in key order, in one statement,
+# so the global limits a claim obeys are read under the same lock as its in-flight count.
+_Q_LOCK_CLAIM = (sa.select(_meta.c.key, _meta.c.value)
+                 .where(sa.or_(_meta.c.key == _CLAIM_LOCK_KEY, _meta.c.key == _GLOBAL_LIMITS_KEY))
+                 .order_by(_meta.c.key))
+# set_group's lock: the claim_lock row alone (it does not touch the global limits).
+_Q_LOCK_POLICY = sa.select(_meta.c.key, _meta.c.value).where(_meta.c.key == _CLAIM_LOCK_KEY)
+# The claim_lock row's value without the lock (why).
 _Q_CLAIM_LOCK_VALUE = sa.select(_meta.c.value).where(_meta.c.key == _CLAIM_LOCK_KEY)
+# Both rows without the lock: a claim without caps of its own reads them to learn whether stored
+# policy limits any group or a global limit is set (then it takes the lock after all).
+_Q_CLAIM_META = (sa.select(_meta.c.key, _meta.c.value)
+                 .where(sa.or_(_meta.c.key == _CLAIM_LOCK_KEY, _meta.c.key == _GLOBAL_LIMITS_KEY))
+                 .order_by(_meta.c.key))
+_Q_GLOBAL_LIMITS = sa.select(_meta.c.value).where(_meta.c.key == _GLOBAL_LIMITS_KEY)
+_Q_SET_GLOBAL_LIMITS = (
+    sa.update(_meta).where(_meta.c.key == _GLOBAL_LIMITS_KEY).values(value=sa.bindparam("b_value", type_=sa.String(200)))
+)
 _Q_SET_CLAIM_LOCK_VALUE = (
     sa.update(_meta).where(_meta.c.key == _CLAIM_LOCK_KEY).values(value=sa.bindparam("b_value", type_=sa.String(200)))
 )
 
 
 def _q_lock_claim(d: _Dialect, pin: bool = False) -> sa.Select[Any]:
-    """The capped claim's serialisation point: the claim_lock row, locked (waiting) for the
-    rest of the transaction. With ``pin``, the same statement pins this transaction's plans
+    """The capped claim's serialisation point: the claim_lock row (and the global_limits row
+    after it), locked (waiting) for the rest of the transaction. With ``pin``, the same statement pins this transaction's plans
     (_Q_PIN_PLANS' settings), one round trip fewer."""
     return _prebuilt(d, f"lock_claim:{pin}", lambda: d.lock_wait(_Q_LOCK_CLAIM.add_columns(*_PIN_SETTINGS) if pin
                                                                  else _Q_LOCK_CLAIM))
 
 
+def _q_lock_policy(d: _Dialect) -> sa.Select[Any]:
+    """set_group's serialisation point: the claim_lock row, locked (waiting)."""
+    return _prebuilt(d, "lock_policy", lambda: d.lock_wait(_Q_LOCK_POLICY))
+
+
 def _q_claim_lock_value(pin: bool) -> sa.Select[Any]:
-    """_Q_CLAIM_LOCK_VALUE, with ``pin`` also pinning this transaction's plans (_q_lock_claim)."""
-    return _Q_CLAIM_LOCK_VALUE_PIN if pin else _Q_CLAIM_LOCK_VALUE
+    """_Q_CLAIM_META, with ``pin`` also pinning this transaction's plans (_q_lock_claim)."""
+    return _Q_CLAIM_META_PIN if pin else _Q_CLAIM_META
 
 
 #: PostgreSQL's planner settings for the rest of a claim's transaction (_Dialect.pin_index_plans).
 _PIN_SETTINGS = (sa.func.set_config("enable_seqscan", "off", sa.true()), sa.func.set_config("enable_bitmapscan", "off", sa.true()),
                  sa.func.set_config("jit", "off", sa.true()))
 _Q_PIN_PLANS = sa.select(*_PIN_SETTINGS)
-_Q_CLAIM_LOCK_VALUE_PIN = _Q_CLAIM_LOCK_VALUE.add_columns(*_PIN_SETTINGS)
+_Q_CLAIM_META_PIN = _Q_CLAIM_META.add_columns(*_PIN_SETTINGS)
 
 
 # ---- finalize / fail / release ----------------------------------------------------------------
@@ -3565,7 +3590,10 @@ def create_schema(engine: Engine) -> None:
         have: dict[str, str] = {k: v for k, v in conn.execute(_Q_META_ROWS)}
         rows = [
             {"key": k, "value": v}
-            for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, "")) if k not in have
+            # A database made before global_limits existed gets its row here: a seed, not a
+            # schema change, so no version of its own (set_limit also adds it when missing).
+            for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, ""), (_GLOBAL_LIMITS_KEY, ""))
+            if k not in have
         ]
         if rows:
             conn.execute(_Q_SEED_META, rows)
@@ -4260,7 +4288,8 @@ class _Unlimited:
         return "jobq.UNLIMITED"
 
 
-#: Pass as ``max_in_flight`` or ``rate_limit`` to :func:`set_group` to remove that limit.
+#: Pass as ``max_in_flight`` or ``rate_limit`` to :func:`set_group` or :func:`set_limit` to
+#: remove that limit.
 UNLIMITED: Any = _Unlimited()
 
 
@@ -4383,7 +4412,7 @@ def set_group(
         new["paused"] = paused
 
     def run(conn: Connection, d: _Dialect) -> GroupPolicy:
-        lock = conn.execute(_q_lock_claim(d)).first()  # serialised with every claim that obeys policy
+        lock = conn.execute(_q_lock_policy(d)).first()  # serialised with every claim that obeys policy
         if lock is None:
             raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
         rows, limited = _policy_counts(lock.value)
@@ -4432,6 +4461,122 @@ def groups(engine: Engine | Connection | orm.Session) -> list[GroupPolicy]:
         engine: an Engine, or a Connection/Session to read in the caller's transaction.
     """
     return [_policy_of(r) for r in _read(engine, lambda conn: conn.execute(_Q_ALL_GROUP_POLICIES).all())]
+
+
+# ---- the global limits: what every claim on the database obeys together, stored with set_limit
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalLimit:
+    """The database's global limits (:func:`set_limit`); None means "not set".
+
+    Attributes:
+        max_in_flight: most jobs leased or running at once, across every worker and group. A
+            worker's ``max_concurrency`` applies as well: the smaller cap wins.
+        rate_limit: (starts, per_seconds): most job starts, all groups together, in any window
+            of that length. A worker's ``rate_limits["*"]`` applies as well.
+        updated_at: when it was last set (aware UTC, the database's clock); None if never.
+    """
+
+    max_in_flight: int | None
+    rate_limit: tuple[int, float] | None
+    updated_at: _dt.datetime | None
+
+    @property
+    def limits(self) -> bool:
+        """Whether it holds claims back at all (a cap or a rate): then every claim takes the
+        claim lock."""
+        return self.max_in_flight is not None or self.rate_limit is not None
+
+
+_NO_GLOBAL_LIMIT = GlobalLimit(max_in_flight=None, rate_limit=None, updated_at=None)
+
+
+@functools.lru_cache(maxsize=16)
+def _global_limit_of(value: str) -> GlobalLimit:
+    """The global_limits row's value (JSON; "" before the first set_limit), parsed once per
+    distinct value: every claim reads it."""
+    if not value:
+        return _NO_GLOBAL_LIMIT
+    try:
+        data = json.loads(value)
+        cap, rate = data["max_in_flight"], data["rate_limit"]
+        return GlobalLimit(max_in_flight=None if cap is None else int(cap),
+                           rate_limit=None if rate is None else (int(rate[0]), float(rate[1])),
+                           updated_at=_dt.datetime.fromisoformat(data["updated_at"]).replace(tzinfo=_dt.timezone.utc))
+    except (ValueError, TypeError, KeyError, IndexError):
+        raise JobqError(f"jobq_meta's global_limits row is not jobq's: {value!r} "
+                        "(store the limits again with jobq.set_limit or `jobq limit`)") from None
+
+
+def set_limit(
+    target: Engine | Connection | orm.Session,
+    *,
+    max_in_flight: Any = None,
+    rate_limit: Any = None,
+) -> GlobalLimit:
+    """Store the global limits in the database, where every claim of every worker reads them.
+
+    Options left as None keep their stored value; :data:`UNLIMITED` removes one. Takes effect
+    at the next claim that starts after the change commits, on every worker: the change is
+    made under the claim lock, and claims read it under the same lock, so a lowered cap is
+    never overspent by a later claim (jobs already running finish). A worker's own
+    ``max_concurrency`` (and ``rate_limits["*"]``) apply as well: the stricter limit wins.
+
+    Args:
+        target: an Engine (jobq commits its own transaction) or a Connection/Session (written
+            in the caller's transaction, in effect once the caller commits).
+        max_in_flight: most jobs leased or running at once across every worker (int >= 1),
+            or :data:`UNLIMITED`.
+        rate_limit: (starts, per_seconds) or "N/PERIOD" ("100/1m"): most job starts, all
+            groups together, in any window of that length, or :data:`UNLIMITED`.
+
+    Returns:
+        The global limits as stored.
+
+    Raises:
+        ConfigError: a bad value; nothing is written.
+    """
+    new: dict[str, Any] = {}
+    if max_in_flight is UNLIMITED:
+        new["max_in_flight"] = None
+    elif max_in_flight is not None:
+        new["max_in_flight"] = _check_int(max_in_flight, "max_in_flight", 1, 100_000, ConfigError)
+    if rate_limit is UNLIMITED:
+        new["rate_limit"] = None
+    elif rate_limit is not None:
+        new["rate_limit"] = _check_rate_spec(rate_limit, "rate_limit")
+
+    def run(conn: Connection, d: _Dialect) -> GlobalLimit:
+        # Both rows, locked in key order as every claim locks them.
+        rows = conn.execute(_q_lock_claim(d)).all()
+        _claim_meta(rows)  # the claim_lock row is there
+        old = _global_limit_of(rows[1].value) if len(rows) > 1 else None
+        now = d.db_now(conn)
+        values: dict[str, Any] = {"max_in_flight": None, "rate_limit": None}
+        if old is not None:
+            values.update(max_in_flight=old.max_in_flight, rate_limit=old.rate_limit)
+        values.update(new)
+        text = json.dumps({**values, "updated_at": now.isoformat()})
+        if old is None:  # a database whose create_schema predates the row
+            conn.execute(_Q_SEED_META, [{"key": _GLOBAL_LIMITS_KEY, "value": text}])
+        else:
+            conn.execute(_Q_SET_GLOBAL_LIMITS, {"b_value": text})
+        return _global_limit_of(text)
+
+    if isinstance(target, Engine):
+        return _transaction(target, run)
+    return run(_target_connection(target), _prepare(_engine_of(target)))  # type: ignore[arg-type]
+
+
+def get_limit(target: Engine | Connection | orm.Session) -> GlobalLimit:
+    """The database's global limits as :func:`set_limit` stored them (all None if never set).
+
+    Args:
+        target: an Engine, or a Connection/Session to read in the caller's transaction.
+    """
+    value = _read(target, lambda conn: conn.execute(_Q_GLOBAL_LIMITS).scalar())
+    return _global_limit_of(value or "")
 
 
 def _read(target: Engine | Connection | orm.Session, fn: Callable[[Connection], _T]) -> _T:
@@ -4654,17 +4799,23 @@ class _GroupScan:
             self.cursors[self.key] = max(groups)
 
 
-def _lock_claim(conn: Connection, d: _Dialect, pin: bool = False) -> tuple[int, int]:
-    """Take the cap's serialisation point; returns the stored policy counts it carries.
+def _lock_claim(conn: Connection, d: _Dialect, pin: bool = False) -> tuple[tuple[int, int], GlobalLimit]:
+    """Take the cap's serialisation point; returns the stored policy counts it carries and the
+    global limits (read, and locked, by the same statement).
 
     SKIP LOCKED alone lets two claimers skip each other's rows and both spend the last free
     slot; this row lock (or SQLite's write lock) makes counting and leasing one atomic step.
-    set_group takes it too, so a claim reads a group's policy as of its last change. With
-    ``pin``, the same statement pins the transaction's plans (d.pin_wanted)."""
-    lock = _hot_rows(conn, _q_lock_claim(d, pin), {})
-    if not lock:
+    set_group and set_limit take it too, so a claim reads the policy as of its last change.
+    With ``pin``, the same statement pins the transaction's plans (d.pin_wanted)."""
+    return _claim_meta(_hot_rows(conn, _q_lock_claim(d, pin), {}))
+
+
+def _claim_meta(rows: Sequence[Any]) -> tuple[tuple[int, int], GlobalLimit]:
+    """The claim_lock and global_limits rows (key, value, pin settings...), in key order: the
+    stored policy counts and the global limits (none where the row is missing or empty)."""
+    if not rows or rows[0][0] != _CLAIM_LOCK_KEY:
         raise JobqError("jobq_meta has no claim_lock row: run jobq.create_schema(engine)")
-    return _policy_counts(lock[0][1])  # (key, value, pin settings...)
+    return _policy_counts(rows[0][1]), (_global_limit_of(rows[1][1]) if len(rows) > 1 else _NO_GLOBAL_LIMIT)
 
 
 def _window_candidates(conn: Connection, d: _Dialect, groups: Sequence[str], now: _dt.datetime,
@@ -4814,8 +4965,13 @@ def _lease_rows(
     state: str,
     rate_limits: Mapping[str, tuple[int, float]] | None = None,
     fresh_now: bool = False,
+    seen_cap: Callable[[int], None] | None = None,
 ) -> list[Lease]:
     """The claim: rank the ready set and lease the chosen rows, inside the caller's transaction.
+
+    The global limits stored with set_limit apply on top of ``max_in_flight`` (the smaller cap
+    wins) and of ``rate_limits["*"]`` (both apply); ``seen_cap`` is called with the stored cap
+    when one is set (the Worker's warning when its own disagrees).
 
     With ``rate_limits`` and ``fresh_now``, ``now`` is replaced by the database clock read once
     the claim lock is held. Every rate window is then measured on one clock, at one point of
@@ -4826,23 +4982,28 @@ def _lease_rows(
     in_flight: dict[str, int] = {}
     span: tuple[str | None, str | None] | None = None  # read with the counts (d.span_first)
     if max_in_flight is not None or group_caps or rate_limits:
-        stored = _lock_claim(conn, d, pin)
+        stored, glob = _lock_claim(conn, d, pin)
     else:
-        # No limits of its own: the claim locks only if stored policy limits some group. (A
-        # claim that read "none" just before set_group stored the first limit still runs
-        # unlocked: set_group's change counts from the claims that start after it.)
-        value = _hot_rows(conn, _q_claim_lock_value(pin), {})
-        stored = _policy_counts(value[0][0] if value else None)
-        if stored[1]:
-            stored = _lock_claim(conn, d)
+        # No limits of its own: the claim locks only if stored policy limits some group or a
+        # global limit is stored. (A claim that read "none" just before set_group or set_limit
+        # stored the first limit still runs unlocked: the change counts from the claims that
+        # start after it.)
+        stored, glob = _claim_meta(_hot_rows(conn, _q_claim_lock_value(pin), {}))
+        if stored[1] or glob.limits:
+            stored, glob = _lock_claim(conn, d)
     if pin:
         d.pinned(conn)
+    if glob.max_in_flight is not None:
+        if seen_cap is not None:
+            seen_cap(glob.max_in_flight)
+        # The stored cap and the caller's own: the smaller wins.
+        max_in_flight = glob.max_in_flight if max_in_flight is None else min(max_in_flight, glob.max_in_flight)
     # Nothing due: done, without reading the ready index (whose order puts priority before
     # run_after, so its reads walk every job scheduled for later) or counting slots.
     if not _hot_rows(conn, _q_any_due(d), {"b_now": now}):
         return []
-    if max_in_flight is not None or group_caps or rate_limits or stored[1]:
-        if fresh_now and (rate_limits or stored[1]):
+    if max_in_flight is not None or group_caps or rate_limits or stored[1] or glob.limits:
+        if fresh_now and (rate_limits or stored[1] or glob.rate_limit):
             now = d.db_now(conn)
         if d.span_first:
             in_flight, span = _slots_and_span(conn, now)
@@ -4854,10 +5015,12 @@ def _lease_rows(
     if free <= 0:
         return []
     type_list = list(types) if types is not None else None
-    if rate_limits and "*" in rate_limits:
-        free = min(free, _rate_room(conn, now, {"*": rate_limits["*"]}, [])["*"])
-        if free <= 0:
-            return []
+    # The "*" bucket, all groups together: the caller's and the stored one both apply.
+    for every in ((rate_limits or {}).get("*"), glob.rate_limit):
+        if every is not None:
+            free = min(free, _rate_room(conn, now, {"*": every}, [])["*"])
+            if free <= 0:
+                return []
     named_rates = {g: r for g, r in (rate_limits or {}).items() if g != "*"}
     caps = dict(group_caps or {})
     stored_rates: dict[str, tuple[int, float]] = {}
@@ -6558,6 +6721,7 @@ class _WorkerCore:
         # The resolved options, as attributes (as before WorkerOptions existed).
         self.max_concurrency: int = o.max_concurrency
         self.local_concurrency: int = o.local_concurrency  # type: ignore[assignment]  # resolved
+        self._told_cap: int | None = None  # the stored global cap this worker last warned about
         self.lease_ttl: float = o.lease_ttl
         self.heartbeat_interval: float = o.heartbeat_interval  # type: ignore[assignment]  # resolved
         self.poll_interval: float = o.poll_interval
@@ -6721,8 +6885,19 @@ class _WorkerCore:
         return reclaimed, _lease_rows(
             conn, d, worker_id=self.worker_id, ttl=self.lease_ttl, now=now, limit=limit, types=self._types,
             max_in_flight=self.max_concurrency, group_caps=self.group_caps or None, state="running",
-            rate_limits=self.rate_limits or None, fresh_now=True,
+            rate_limits=self.rate_limits or None, fresh_now=True, seen_cap=self._stored_cap,
         ), mine
+
+    def _stored_cap(self, cap: int) -> None:
+        """The claim read the database's stored global cap: say once (per value) that this
+        worker's own max_concurrency differs from it, and which applies."""
+        if cap != self.max_concurrency and cap != self._told_cap:
+            self._told_cap = cap
+            logger.warning(
+                "worker %s: max_concurrency=%d differs from the global cap stored in the database (%d, "
+                "jobq.set_limit / `jobq limit`): the smaller, %d, applies", self.worker_id, self.max_concurrency,
+                cap, min(cap, self.max_concurrency),
+                extra={"action": "global_cap", "worker_id": self.worker_id})
 
     def _lost(self, runs: Sequence[_Running]) -> None:
         """Runs whose lease is gone while their handler still runs, with a slot now held for
@@ -7583,8 +7758,8 @@ def _format_error(exc: BaseException) -> str:
 # (psycopg 3, aiosqlite, aiomysql or asyncmy).
 
 _ASYNC_TWINS = ("attempts", "cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get",
-                "get_group", "groups", "heartbeat", "prune", "reclaim", "release", "retry", "set_group", "stats",
-                "submit", "tick", "why")
+                "get_group", "get_limit", "groups", "heartbeat", "prune", "reclaim", "release", "retry", "set_group",
+                "set_limit", "stats", "submit", "tick", "why")
 
 
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
@@ -8254,6 +8429,13 @@ def _policy_text(p: GroupPolicy) -> str:
     return f"group {p.group_key}: weight {weight}, cap {cap}, rate {rate}{', PAUSED' if p.paused else ''}"
 
 
+def _limit_text(g: GlobalLimit) -> str:
+    cap = "none" if g.max_in_flight is None else g.max_in_flight
+    rate = "none" if g.rate_limit is None else f"{g.rate_limit[0]}/{g.rate_limit[1]:g}s"
+    return (f"global limit: cap {cap}, rate {rate}"
+            + ("" if g.max_in_flight is not None else " (each worker's max_concurrency caps what it runs)"))
+
+
 #: Groups `jobq status` names per line; past that, the busiest ones and how many more.
 _STATUS_GROUPS = 10
 
@@ -8353,6 +8535,12 @@ def _parser() -> argparse.ArgumentParser:
     pause.add_argument("--pause", dest="paused", action="store_const", const=True, help="claim none of its ready jobs")
     pause.add_argument("--resume", dest="paused", action="store_const", const=False, help="claim them again")
     add("groups", "every group's stored policy")
+    p = add("limit", "show the global limits every worker obeys, or change them (cap, rate)")
+    p.add_argument("--max-in-flight", type=_limit_or_none(_count), metavar="N|none",
+                   help="most jobs in flight across every worker; none: no stored cap")
+    p.add_argument("--rate", type=_limit_or_none(str), metavar="N/PERIOD|none",
+                   help="most N starts per PERIOD, all groups together (100/1m); none: no rate limit")
+    p.add_argument("--clear", action="store_true", help="remove both (each worker's own options still apply)")
     p = add("prune", "delete finished jobs older than a duration")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
@@ -8572,6 +8760,16 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         else:
             for p in policies:
                 print(_policy_text(p))
+    elif cmd == "limit":
+        if ns.clear and (ns.max_in_flight is not None or ns.rate is not None):
+            raise _CliError("--clear removes both limits: give it alone", _EXIT_USAGE)
+        if ns.clear:
+            limit = set_limit(engine, max_in_flight=UNLIMITED, rate_limit=UNLIMITED)
+        elif ns.max_in_flight is None and ns.rate is None:
+            limit = get_limit(engine)
+        else:
+            limit = set_limit(engine, max_in_flight=ns.max_in_flight, rate_limit=ns.rate)
+        _print_json(dataclasses.asdict(limit)) if ns.json else print(_limit_text(limit))
     elif cmd == "prune":
         n = prune(engine, ns.older_than, states=tuple(ns.state or ("done",)))
         _print_json({"deleted": n}) if ns.json else print(f"deleted {n} job(s)")

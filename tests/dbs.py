@@ -209,6 +209,7 @@ def wipe(engine: sa.Engine) -> None:
         conn.execute(sa.delete(jobq._attempts))
         conn.execute(sa.delete(jobq._groups))  # stored group policy (set_group), and its counts
         conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "claim_lock").values(value=""))
+        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "global_limits").values(value=""))  # set_limit
 
 
 def only(*dialects: str):

@@ -20,7 +20,7 @@ def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
     assert {"jobs", "job_deps", "jobq_meta"} <= names
     with engine.connect() as conn:
         rows = dict(conn.execute(sa.select(jobq._meta.c.key, jobq._meta.c.value)).all())
-    assert rows == {"schema_version": str(jobq.SCHEMA_VERSION), "claim_lock": ""}
+    assert rows == {"schema_version": str(jobq.SCHEMA_VERSION), "claim_lock": "", "global_limits": ""}
 
 
 def test_ready_index_exists_in_the_dialects_form(engine: sa.Engine) -> None:
