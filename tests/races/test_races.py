@@ -229,3 +229,22 @@ def test_harness_catches_a_stored_rate_read_outside_the_claim(db_url: str, diale
     _trials(db_url, dialect, tmp_path, "stored_rate_outside_claim",
             lambda r: most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN) > n,
             shown=lambda r: f"{most_surely_in_window(r.claim_spans, period - CLOCK_MARGIN)}/{n}", n_jobs=60, batch_max=4)
+
+
+def test_a_stored_global_cap_holds_at_the_instant_of_contention(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    """set_limit(max_in_flight=3) and 12 claimers each given a cap of 12 of their own, holding
+    their jobs ~5 ms: the largest overlap never exceeds 3 (and reaches 2). The stored cap is
+    read in the statement that takes the claim lock, under it; a cap counted per claimer shows
+    as an overlap above 3."""
+    r = run_drain(db_url, "stored_global_cap", tmp_path, n_jobs=300 * ROUNDS, cap=3, hold=0.005, batch_max=3)
+    _row(dialect, "stored global cap", r)
+    assert (r.duplicates, r.lost) == (0, 0)
+    assert 2 <= r.max_overlap <= 3
+
+
+def test_harness_catches_a_stored_global_cap_read_outside_the_claim(db_url: str, dialect: str,
+                                                                   tmp_path: pathlib.Path) -> None:
+    """Reading the stored global cap and the in-flight count in one transaction and claiming in
+    the next overspends the cap."""
+    _trials(db_url, dialect, tmp_path, "stored_global_cap_outside_claim", lambda r: r.max_overlap > 3,
+            n_jobs=200, cap=3, hold=0.005, batch_max=3)

@@ -186,6 +186,55 @@ def stored_rate_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int 
     return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, room))]
 
 
+_limited: set[str] = set()
+
+
+def _store_global_cap(engine: sa.Engine, cap: int) -> None:
+    """Each claimer process stores the global cap before its first claim (the same value every
+    time), so every claim of the run starts after a committed set_limit."""
+    key = f"{engine.url}:{cap}"
+    if key not in _limited:
+        jobq.set_limit(engine, max_in_flight=cap)
+        _limited.add(key)
+
+
+def stored_global_cap(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq's claim bound by the stored global cap (set_limit), each claimer given a cap of its
+    own four times as large (as workers with a larger max_concurrency would be)."""
+    assert cap is not None
+    _store_global_cap(engine, cap)
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=4 * cap)]
+
+
+def _global_limits_outside_claim() -> None:
+    # The claim's own read of the global limits, switched off in this (claimer) process: the
+    # broken variant below has read the cap itself, in an earlier transaction.
+    real = jobq._claim_meta
+    if getattr(real, "broken", False):
+        return
+
+    def without_global(rows):  # type: ignore[no-untyped-def]
+        return real(rows)[0], jobq._NO_GLOBAL_LIMIT
+
+    without_global.broken = True  # type: ignore[attr-defined]
+    jobq._claim_meta = without_global
+
+
+def stored_global_cap_outside_claim(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN: reads the stored global cap and the in-flight count in one transaction, and
+    claims (with the claim's own read of the global limits switched off) in the next."""
+    assert cap is not None
+    _store_global_cap(engine, cap)
+    stored = jobq.get_limit(engine).max_in_flight
+    assert stored is not None
+    with engine.begin() as conn:
+        free = stored - _in_flight(conn)
+    if free <= 0:
+        return []
+    _global_limits_outside_claim()
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, free), max_in_flight=4 * cap)]
+
+
 async def async_correct(engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
     """jobq.aio's claim on an AsyncEngine: the same claim, bridged to the event loop."""
     leases = await jobq.aio.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=cap)
@@ -230,5 +279,7 @@ VARIANTS = {
     "stored_cap_outside_claim": stored_cap_outside_claim,
     "stored_rate": stored_rate,
     "stored_rate_outside_claim": stored_rate_outside_claim,
+    "stored_global_cap": stored_global_cap,
+    "stored_global_cap_outside_claim": stored_global_cap_outside_claim,
     "lock_chosen_without_recheck": lock_chosen_without_recheck,
 }
