@@ -3317,6 +3317,13 @@ MAX_TIMEDELTA = _dt.timedelta(days=1000 * 366)
 
 _INT64 = 1 << 63
 _INT32 = 1 << 31
+#: Largest cap a claim accepts (``max_in_flight``, ``max_concurrency``, a group's cap) and most
+#: jobs one claim leases.
+_MAX_SLOTS = 100_000
+#: Largest fair-share weight (a job's, a stored group policy's, ``jobq group --weight``).
+_MAX_WEIGHT = 1_000_000
+#: Longest wait before a retry, in seconds (``fail(delay=...)``, a ``retry_backoff``'s answer).
+_MAX_DELAY = MAX_TIMEDELTA.total_seconds()
 _MIN_TIME = _dt.datetime(1970, 1, 2)
 _MAX_TIME = _dt.datetime(9999, 12, 30)
 
@@ -3387,6 +3394,28 @@ def _check_int(value: Any, what: str, lo: int, hi: int, exc: type[JobqError] = I
     if not lo <= value <= hi:
         raise exc(f"{what} must be between {lo} and {hi}, got {value}")
     return int(value)
+
+
+def _check_number(value: Any, what: str, lo: float, hi: float, exc: type[JobqError] = InvalidJob) -> float:
+    """A real number (an int or a float, not a bool) in ``lo`` .. ``hi``: NaN, infinities and
+    ints too large for a float are refused with ``exc`` instead of an OverflowError later."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise exc(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    # An int is compared exactly (math.isfinite(10**400) would raise OverflowError).
+    if (isinstance(value, float) and not math.isfinite(value)) or not lo <= value <= hi:
+        shown = f"{value!r}" if isinstance(value, float) or abs(value) < 10**30 else f"an integer of {len(str(value))} digits"
+        raise exc(f"{what} must be a finite number from {lo:g} to {hi:g}, got {shown}")
+    return float(value)
+
+
+def _check_caps(caps: Any, what: str) -> dict[str, int]:
+    """``group_caps``: group -> most jobs in flight, each an int in 0 .. _MAX_SLOTS (ConfigError)."""
+    if caps is None:
+        return {}
+    if not isinstance(caps, Mapping):
+        raise ConfigError(f"{what} must be a mapping of group -> int, got {type(caps).__name__}")
+    return {_check_name(g, f"{what} group"): _check_int(n, f"{what}[{g!r}]", 0, _MAX_SLOTS, ConfigError)
+            for g, n in caps.items()}
 
 
 def _check_seconds(value: Any, what: str, exc: type[JobqError] = InvalidJob, *, optional: bool = True) -> float | None:
@@ -3658,7 +3687,7 @@ class _JobSpec:
     type: str = _field(None, lambda v, keys: _check_name(v, "type"), "type")  # required: None is refused
     args: dict[str, Any] = _field(None, _check_args, "args")
     group_key: str = _field("default", lambda v, keys: _check_name(v, "group_key"), "group_key")
-    weight: int = _field(1, lambda v, keys: _check_int(v, "weight", 1, 1_000_000), "weight")
+    weight: int = _field(1, lambda v, keys: _check_int(v, "weight", 1, _MAX_WEIGHT), "weight")
     depends_on: tuple[int | str, ...] = _field((), _check_depends_on)  # job_deps rows, not a column
     parent: int | str | None = _field(None, _check_parent, "parent_id",
                                       lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
@@ -4397,11 +4426,11 @@ def set_group(
     key = _check_name(group_key, "group_key")
     new: dict[str, Any] = {}
     if weight is not None:
-        new["weight"] = _check_int(weight, "weight", 1, 1_000_000, ConfigError)
+        new["weight"] = _check_int(weight, "weight", 1, _MAX_WEIGHT, ConfigError)
     if max_in_flight is UNLIMITED:
         new["max_in_flight"] = None
     elif max_in_flight is not None:
-        new["max_in_flight"] = _check_int(max_in_flight, "max_in_flight", 1, 100_000, ConfigError)
+        new["max_in_flight"] = _check_int(max_in_flight, "max_in_flight", 1, _MAX_SLOTS, ConfigError)
     if rate_limit is UNLIMITED:
         new["rate_n"] = new["rate_period"] = None
     elif rate_limit is not None:
@@ -5146,14 +5175,16 @@ def claim_batch(
     _check_name(worker_id, "worker_id")
     ttl_ = _check_seconds(ttl, "ttl", ConfigError, optional=False)
     assert ttl_ is not None
-    _check_int(limit, "limit", 0, 100_000, ConfigError)
+    _check_int(limit, "limit", 0, _MAX_SLOTS, ConfigError)
     type_list = None if types is None else [_check_name(t, "type") for t in types]
+    cap = None if max_in_flight is None else _check_int(max_in_flight, "max_in_flight", 0, _MAX_SLOTS, ConfigError)
+    caps = _check_caps(group_caps, "group_caps")
     rates = _check_rate_limits(rate_limits)
 
     def run(conn: Connection, d: _Dialect) -> list[Lease]:
         return _lease_rows(
             conn, d, worker_id=worker_id, ttl=ttl_, now=now or d.db_now(conn), limit=limit, types=type_list,
-            max_in_flight=max_in_flight, group_caps=group_caps, state="leased", rate_limits=rates,
+            max_in_flight=cap, group_caps=caps, state="leased", rate_limits=rates,
             fresh_now=now is None,
         )
 
@@ -5364,14 +5395,16 @@ def fail(
 
     Raises:
         LeaseLost: the lease is no longer held by this dispatch; nothing was written.
+        ConfigError: ``delay`` is not a finite number of seconds in 0 .. MAX_TIMEDELTA.
     """
     job_id, token = _dispatch_of(job_id, token)  # fenced as finalize is
+    delay_ = _check_number(delay, "delay", 0, _MAX_DELAY, ConfigError)
 
     def run(conn: Connection, d: _Dialect) -> str:
         t = now or d.db_now(conn)
         row = conn.execute(_q_attempts(job_id, worker_id)).first()
         kind = "retry" if row is not None and retry and row.attempts < row.max_attempts else "failed"
-        out = _Outcome(job_id, worker_id, token, kind, error=str(error)[:_ERROR_LIMIT], delay=delay)
+        out = _Outcome(job_id, worker_id, token, kind, error=str(error)[:_ERROR_LIMIT], delay=delay_)
         state = _apply_outcomes(conn, d, [out], t)[0]
         if state is None:
             raise LeaseLost(f"job {job_id}: not held by {worker_id}")
@@ -6153,14 +6186,24 @@ def tick(
 
     Returns:
         ``(reclaimed, leases)``. Dispatching the leases is the caller's job (``Worker`` does it).
+
+    Raises:
+        ConfigError: a bad cap, limit, lease TTL or rate limit (NaN, infinite, out of range).
+        InvalidJob: a bad ``worker_id`` or type name.
     """
-    type_list = None if types is None else list(types)
+    _check_name(worker_id, "worker_id")
+    type_list = None if types is None else [_check_name(t, "type") for t in types]
+    cap = _check_int(max_concurrency, "max_concurrency", 0, _MAX_SLOTS, ConfigError)
+    n = cap if limit is None else _check_int(limit, "limit", 0, _MAX_SLOTS, ConfigError)
+    ttl = _check_seconds(lease_ttl, "lease_ttl", ConfigError, optional=False)
+    assert ttl is not None
+    caps = _check_caps(group_caps, "group_caps")
     rates = _check_rate_limits(rate_limits)
 
     def run(conn: Connection, d: _Dialect) -> tuple[int, list[Lease]]:
         return _schedule_rows(
-            conn, d, now or d.db_now(conn), worker_id=worker_id, types=type_list, max_concurrency=max_concurrency,
-            lease_ttl=lease_ttl, limit=max_concurrency if limit is None else limit, group_caps=group_caps,
+            conn, d, now or d.db_now(conn), worker_id=worker_id, types=type_list, max_concurrency=cap,
+            lease_ttl=ttl, limit=n, group_caps=caps,
             rate_limits=rates, state=state, fresh_now=now is None,
         )
 
@@ -6370,8 +6413,7 @@ class JobContext:
         for value, what in ((done, "done"), (total, "total")):
             if value is None and what == "total":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise InvalidJob(f"progress {what} must be a finite number >= 0, got {value!r}")
+            _check_number(value, f"progress {what}", 0, sys.float_info.max)
         if message is not None and (not isinstance(message, str) or len(message) > 200):
             raise InvalidJob(f"progress message must be a string of at most 200 characters, got {message!r}")
         self._progress = _check_json({"done": done, "total": total, "message": message}, "progress")
@@ -7097,7 +7139,7 @@ class _WorkerCore:
                                              parent_id=lease.parent_id, spawned=run.spawned))
             else:
                 retry = kind == "error" and lease.attempt < lease.max_attempts
-                delay = float(self.retry_backoff(lease.attempt)) if retry else 0.0
+                delay = self._backoff(lease.attempt) if retry else 0.0
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
                                              error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id,
                                              spawned=run.spawned))
@@ -7243,6 +7285,21 @@ class _WorkerCore:
         self._stop_handlers(runs)
         return list(runs)
 
+    def _backoff(self, attempt: int) -> float:
+        """Seconds before the retry of a failed ``attempt``: ``retry_backoff``'s answer, held to
+        0 .. _MAX_DELAY (infinity waits the longest), so a bad answer cannot stop the worker's
+        write with an OverflowError. One that is no number (or raises) is logged, and the
+        default :func:`backoff` is used instead."""
+        try:
+            delay = self.retry_backoff(attempt)
+            if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay != delay:  # NaN
+                raise TypeError(f"returned {delay!r}, not a number of seconds")
+        except Exception as exc:  # the user's function: its failure must not lose the outcome
+            logger.warning("retry_backoff(%d) failed (%s): using jobq.backoff", attempt, _one_line(exc),
+                           extra={"action": "backoff", "attempt": attempt, "worker_id": self.worker_id})
+            return backoff(attempt)
+        return _MAX_DELAY if delay >= _MAX_DELAY else max(0.0, float(delay))  # an int is compared exactly
+
     def _enforce_timeouts(self) -> None:
         now_m = time.monotonic()
         with self._lock:
@@ -7256,7 +7313,7 @@ class _WorkerCore:
             retry = lease.attempt < lease.max_attempts
             return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed", ended="timeout",
                             error=f"timed out after {now_m - run.started:.1f}s (limit {run.deadline - run.started:.1f}s)",  # type: ignore[operator]
-                            delay=float(self.retry_backoff(lease.attempt)) if retry else 0.0)
+                            delay=self._backoff(lease.attempt) if retry else 0.0)
 
         try:
             self._abandon(late, "timed_out", outcome)

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
-from helpers import snapshot, state
+from helpers import snapshot, state, wait_for
 
 UTC = dt.timezone.utc
 FAST = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
@@ -264,3 +264,137 @@ def test_emoji_and_other_unicode_names_round_trip_and_match_exactly(engine: sa.E
         assert jobq.claim(engine, "w", 30, types=[name]) is None, name
     submitted = jobq.submit(engine, [{"key": n, "type": n, "group_key": n} for n in GOOD_NAMES])
     assert {jobq.get(engine, j).type for j in submitted.values()} == set(GOOD_NAMES)  # type: ignore[union-attr]
+
+
+# ---- issue 39 item 9: the seed-level API's numbers ----------------------------------------------------
+
+
+NAN, INF = float("nan"), float("inf")
+
+#: (call, what it is given, the error it must raise, the rule named in the message). Old code:
+#: a NaN cap was no cap (leased past it), "2" a TypeError, a negative TTL an expired lease,
+#: NaN/1e300 a ValueError/OverflowError, NUL in a worker id stored (SQLite/MySQL) or a driver
+#: DataError (PostgreSQL).
+BAD_CLAIMS = [
+    pytest.param("claim_batch", dict(max_in_flight=NAN), jobq.ConfigError, "max_in_flight must be an int", id="cap-nan"),
+    pytest.param("claim_batch", dict(max_in_flight=INF), jobq.ConfigError, "max_in_flight must be an int", id="cap-inf"),
+    pytest.param("claim_batch", dict(max_in_flight="2"), jobq.ConfigError, "max_in_flight must be an int", id="cap-str"),
+    pytest.param("claim_batch", dict(max_in_flight=10**400), jobq.ConfigError, "max_in_flight must be between", id="cap-huge"),
+    pytest.param("claim_batch", dict(group_caps={"default": NAN}), jobq.ConfigError, "group_caps", id="group-cap-nan"),
+    pytest.param("claim_batch", dict(group_caps={"default": "2"}), jobq.ConfigError, "group_caps", id="group-cap-str"),
+    pytest.param("claim_batch", dict(group_caps={"default": -1}), jobq.ConfigError, "group_caps", id="group-cap-negative"),
+    pytest.param("claim_batch", dict(group_caps=[("default", 1)]), jobq.ConfigError, "group_caps must be a mapping",
+                 id="group-caps-list"),
+    pytest.param("tick", dict(lease_ttl=-1), jobq.ConfigError, "lease_ttl must be finite, > 0", id="ttl-negative"),
+    pytest.param("tick", dict(lease_ttl=0), jobq.ConfigError, "lease_ttl must be finite, > 0", id="ttl-zero"),
+    pytest.param("tick", dict(lease_ttl=NAN), jobq.ConfigError, "lease_ttl must be finite", id="ttl-nan"),
+    pytest.param("tick", dict(lease_ttl=INF), jobq.ConfigError, "lease_ttl must be finite", id="ttl-inf"),
+    pytest.param("tick", dict(lease_ttl=1e300), jobq.ConfigError, "at most a year", id="ttl-1e300"),
+    pytest.param("tick", dict(lease_ttl="30"), jobq.ConfigError, "lease_ttl must be a number", id="ttl-str"),
+    pytest.param("tick", dict(worker_id="w\x00"), jobq.InvalidJob, "control character", id="worker-nul"),
+    pytest.param("tick", dict(worker_id="w\x1b[2J"), jobq.InvalidJob, "control character", id="worker-escape"),
+    pytest.param("tick", dict(max_concurrency=NAN), jobq.ConfigError, "max_concurrency must be an int", id="tick-cap-nan"),
+    pytest.param("tick", dict(max_concurrency=-1), jobq.ConfigError, "max_concurrency must be between", id="tick-cap-negative"),
+    pytest.param("tick", dict(group_caps={"default": NAN}), jobq.ConfigError, "group_caps", id="tick-group-cap-nan"),
+    pytest.param("tick", dict(group_caps={"default": "2"}), jobq.ConfigError, "group_caps", id="tick-group-cap-str"),
+    pytest.param("tick", dict(limit=NAN), jobq.ConfigError, "limit must be an int", id="tick-limit-nan"),
+]
+
+
+@pytest.mark.parametrize("call,bad,error,message", BAD_CLAIMS)
+def test_a_claim_refuses_a_bad_number_or_worker_id_before_it_leases(
+        engine: sa.Engine, call: str, bad: dict, error: type[Exception], message: str) -> None:
+    """Correct: the claim raises ``error`` naming the rule and leases nothing. A bug shows as a
+    lease (past a NaN cap, or already expired), or as TypeError/ValueError/OverflowError or a
+    driver error instead of jobq's own."""
+    for _ in range(3):
+        jobq.enqueue(engine, "t")
+    before = snapshot(engine)
+    with pytest.raises(error, match=message):
+        if call == "claim_batch":
+            jobq.claim_batch(engine, "w", 30, limit=3, **{"max_in_flight": 1, **bad})
+        else:
+            args = {"worker_id": "w", "max_concurrency": 1, "lease_ttl": 30.0, **bad}
+            jobq.tick(engine, args.pop("worker_id"), None, **args)
+    assert snapshot(engine) == before
+
+
+@pytest.mark.parametrize("delay", [INF, -INF, NAN, -1, 1e300, 10**400, "5", None],
+                         ids=["inf", "-inf", "nan", "-1", "1e300", "10**400", "str", "None"])
+def test_fail_refuses_a_delay_that_is_not_a_finite_number_of_seconds(engine: sa.Engine, delay: Any) -> None:
+    """Old code: OverflowError (inf, 1e300), a ValueError (NaN) or a TypeError ("5"), and a
+    negative delay was silently 0. The lease is still held afterwards: fail it properly."""
+    jid = jobq.enqueue(engine, "t")
+    lease = jobq.claim_batch(engine, "w", 30)[0]
+    before = snapshot(engine)
+    with pytest.raises(jobq.ConfigError, match="delay must be"):
+        jobq.fail(engine, jid, "boom", worker_id="w", token=lease.token, delay=delay)
+    assert snapshot(engine) == before
+    assert jobq.fail(engine, jid, "boom", worker_id="w", token=lease.token, delay=jobq._MAX_DELAY) == "ready"
+
+
+@pytest.mark.parametrize("done,total", [(10**400, None), (1, 10**400), (-(10**400), None), (NAN, None), (1, INF),
+                                        (True, None), ("3", None)],
+                         ids=["done-10**400", "total-10**400", "done--10**400", "nan", "inf", "bool", "str"])
+def test_progress_refuses_numbers_no_engine_stores_with_invalid_job(engine: sa.Engine, done: Any, total: Any) -> None:
+    """Old code: ``ctx.progress(10**400)`` raised OverflowError out of the handler (NaN,
+    infinity, bools and strings were already InvalidJob: kept so they stay so)."""
+    seen: list[BaseException | None] = []
+
+    def handler(ctx: jobq.JobContext) -> None:
+        try:
+            ctx.progress(done, total)
+        except Exception as exc:  # noqa: BLE001 - the test is which one
+            seen.append(exc)
+        else:
+            seen.append(None)
+        ctx.progress(1, 2, "fine")
+
+    jid = jobq.enqueue(engine, "t")
+    assert jobq.Worker(engine, {"t": handler}, max_concurrency=1, **FAST).run_until_idle(timeout=60)
+    assert len(seen) == 1 and isinstance(seen[0], jobq.InvalidJob), seen
+    assert "progress" in str(seen[0]) and state(engine, jid) == "done"
+
+
+def first_attempt_recorded(engine: sa.Engine, answer: Any) -> jobq.JobInfo:
+    """Run one failing attempt of a job with two attempts under a worker whose retry_backoff
+    answers ``answer``; return the job once that failure is written."""
+    jid = jobq.enqueue(engine, "t", max_attempts=2)
+
+    def handler(ctx: jobq.JobContext) -> None:
+        raise RuntimeError("try later")
+
+    w = jobq.Worker(engine, {"t": handler}, max_concurrency=1, **{**FAST, "retry_backoff": lambda attempt: answer})
+
+    def recorded() -> jobq.JobInfo | None:
+        w.tick()
+        info = jobq.get(engine, jid)
+        return info if info is not None and info.error and w.in_flight == 0 else None
+
+    return wait_for(recorded, timeout=30, what="the failed attempt to be written")  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("answer", [INF, 1e300, 10**400], ids=["inf", "1e300", "10**400"])
+def test_a_retry_backoff_beyond_any_date_waits_the_longest_delay(engine: sa.Engine, answer: Any) -> None:
+    """``retry_backoff`` answering infinity (or more seconds than a datetime holds) made the
+    worker's write raise OverflowError: the failure was never recorded and the job stayed
+    leased. Correct: it is back to ready, due after the longest delay jobq stores."""
+    info = first_attempt_recorded(engine, answer)
+    assert info.state == "ready" and info.attempts == 1 and "try later" in (info.error or "")
+    assert info.run_after - info.updated_at > dt.timedelta(days=999 * 366), info
+
+
+@pytest.mark.parametrize("answer", [NAN, "5", None], ids=repr)
+def test_a_retry_backoff_that_is_no_number_falls_back_to_the_default(engine: sa.Engine, answer: Any) -> None:
+    """No number at all: jobq.backoff's delay (and a warning). Old code: NaN raised ValueError
+    and "5"/None TypeError out of the worker's tick, so the failure was never written."""
+    info = first_attempt_recorded(engine, answer)
+    assert info.state == "ready" and info.attempts == 1 and "try later" in (info.error or "")
+    assert dt.timedelta(0) < info.run_after - info.updated_at <= dt.timedelta(seconds=jobq.backoff(1, jitter=0) * 2)
+
+
+def test_a_negative_retry_backoff_retries_at_once(engine: sa.Engine) -> None:
+    """The retry is written with the attempt's failure and claimed in the same tick (as on the
+    old code: kept so that holding answers to the bounds keeps a negative one at 0)."""
+    info = first_attempt_recorded(engine, -5.0)
+    assert info.state == "failed" and info.attempts == 2, info
