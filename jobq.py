@@ -8288,7 +8288,21 @@ def _url_secrets(raw: str) -> list[str]:
     user, _, password = userinfo.partition(":")
     found = {raw, userinfo, user, password, *re.split(r"[@:/?#\[\]]", userinfo)}
     found |= {urllib.parse.unquote(s) for s in found}
-    return sorted((s for s in found if s), key=len, reverse=True)
+    # A user name that is the dialect's or driver's own name ("postgres://postgres@...") is no
+    # secret, and blanking it would blank the error that names the dialect; the password stays.
+    secret = {password, urllib.parse.unquote(password), *re.split(r"[@:/?#\[\]]", password)}
+    public = {part for part in re.split(r"[+]", raw.partition("://")[0].lower()) if part} - secret
+    return sorted((s for s in found if s and s.lower() not in public), key=len, reverse=True)
+
+
+def _url_hint(raw: str) -> str:
+    """The URL a new user most likely meant, for a scheme without a driver SQLAlchemy cannot
+    load ("postgres://", "mysql://" without MySQLdb): jobq's extras install psycopg and PyMySQL."""
+    meant = {"postgres": ("postgresql+psycopg", "postgres"), "postgresql": ("postgresql+psycopg", "postgres"),
+             "mysql": ("mysql+pymysql", "mysql"), "mariadb": ("mariadb+pymysql", "mysql")}.get(raw.partition("://")[0].lower())
+    if meant is None:
+        return ""
+    return f" (use {meant[0]}://...: the driver jobq's {meant[1]} extra installs)"
 
 
 def _scrub(text: str, secrets: Sequence[str]) -> str:
@@ -8325,9 +8339,10 @@ def _engine_for(raw: str) -> Engine:
     try:
         return sa.create_engine(url, pool_pre_ping=True)
     except ImportError as exc:
-        raise _CliError(f"{_one_line(exc)} (install the database driver this URL names)", _EXIT_USAGE) from None
+        hint = _url_hint(raw) or " (install the database driver this URL names)"
+        raise _CliError(f"{_one_line(exc)}{hint}", _EXIT_USAGE) from None
     except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
-        raise _CliError(f"bad database URL: {_one_line(exc)}", _EXIT_USAGE) from None
+        raise _CliError(f"bad database URL: {_one_line(exc)}{_url_hint(raw)}", _EXIT_USAGE) from None
 
 
 # ---- checks before a command touches the database

@@ -605,3 +605,32 @@ def test_group_and_groups_store_and_show_policy_and_why_names_it(db_url: str, ca
         code, _, err = cli(db_url, "group", "t1", *bad, capsys=capsys)
         assert code == 2 and one_line_error(err), (bad, err)
     assert cli(db_url, "group", "t1", capsys=capsys)[1].strip() == "group t1: weight 3, cap none, rate 10/60s"
+
+
+# ---- issue 39 item 11: a URL without a loadable driver says which one to write ---------------------------
+
+
+@pytest.mark.parametrize("url,blocked,meant", [
+    ("postgres://postgres@127.0.0.1/db", None, "postgresql+psycopg://"),
+    ("mysql://root@127.0.0.1/db", "MySQLdb", "mysql+pymysql://"),
+    ("mariadb://root@127.0.0.1/db", "MySQLdb", "mariadb+pymysql://"),
+])
+def test_a_url_without_a_driver_suggests_the_one_jobq_installs(url: str, blocked: str | None, meant: str) -> None:
+    """Old code: `Can't load plugin: sqlalchemy.dialects:***` (the user name "postgres" was
+    scrubbed as a credential although it is the dialect's name) and `No module named 'MySQLdb'`
+    with no word of the PyMySQL driver the mysql extra installs. ``blocked`` is a driver made
+    unimportable in the child, as on a machine with only jobq's extras."""
+    code = (f"import sys; sys.modules[{blocked!r}] = None; " if blocked else "import sys; ") + \
+        f"sys.path.insert(0, {str(ROOT)!r}); import jobq; sys.exit(jobq.main(['--url', {url!r}, 'status']))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and one_line_error(p.stderr), p.stderr
+    assert meant in p.stderr and "***" not in p.stderr, p.stderr
+    if url.startswith("postgres://"):
+        assert "sqlalchemy.dialects:postgres" in p.stderr, p.stderr
+
+
+def test_the_password_is_scrubbed_when_the_user_name_is_the_dialects() -> None:
+    secrets = jobq._url_secrets("postgres://postgres:hunter2@127.0.0.1/db")
+    assert "postgres" not in secrets and "hunter2" in secrets
+    secrets = jobq._url_secrets("postgres://postgres:postgres@127.0.0.1/db")  # a password is always scrubbed
+    assert "postgres" in secrets
