@@ -6143,12 +6143,25 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
             held = _policy_hold(conn, policy, mine, t)
             if held:
                 return f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, not claimed: {held}"
+        held = _global_hold(conn, _global_limit_of(conn.execute(_Q_GLOBAL_LIMITS).scalar() or ""), total, t)
+        if held:
+            return f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, not claimed: {held}"
         return (f"{head} is ready, due {_span((t - r.run_after).total_seconds())} ago, waiting for a worker"
                 + (f" (attempt {last.attempt} ended: {last.outcome})" if last is not None else "") + ": "
                 f"{ahead} due job(s) ahead of it in its group (by priority, then age); "
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
                    ": no worker is running jobs; is a worker with a handler for this type up?") + note)
+
+
+def _global_hold(conn: Connection, g: GlobalLimit, in_flight: int, now: _dt.datetime) -> str:
+    """What in the stored global limits holds a due job back now ("" if nothing does)."""
+    if g.max_in_flight is not None and in_flight >= g.max_in_flight:
+        return f"the global cap is full: {in_flight} of {g.max_in_flight} job(s) in flight (jobq limit)"
+    if g.rate_limit is not None and _rate_room(conn, now, {"*": g.rate_limit}, [])["*"] <= 0:
+        n, period = g.rate_limit
+        return f"the global rate limit is spent: {n} start(s) in the last {_span(period)} (jobq limit)"
+    return ""
 
 
 def _policy_hold(conn: Connection, p: GroupPolicy, in_flight: int, now: _dt.datetime) -> str:
@@ -8756,12 +8769,15 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
                 running = [dict(r._mapping) for r in conn.execute(_q_running_progress(20))]
                 conn.rollback()
             policies = groups(engine) if sa.inspect(engine).has_table("jobq_groups") else []
+            glob = get_limit(engine)
             if ns.json:
-                out = json.dumps({**st, "progress": running, "group_policy": [dataclasses.asdict(p) for p in policies]},
+                out = json.dumps({**st, "progress": running, "group_policy": [dataclasses.asdict(p) for p in policies],
+                                  "global_limit": dataclasses.asdict(glob)},
                                  default=_json_default, sort_keys=True)
             else:
                 out = _status_text(st) + "".join(
                     f"\n  job {r['id']} ({r['type']}, group {r['group_key']}): {_progress_text(r['progress'])}" for r in running)
+                out += f"\n{_limit_text(glob)}" if glob.limits else ""
                 out += "".join(f"\n{_policy_text(p)}" for p in policies[:50])
                 out += f"\n... and {len(policies) - 50} more stored group policies (jobq groups)" if len(policies) > 50 else ""
             if not ns.watch:

@@ -189,3 +189,20 @@ def test_the_limit_command_shows_sets_and_clears(db_url: str, engine: sa.Engine,
     assert cli()[1].strip() == "global limit: cap 3, rate none"
     code, out, _ = cli("--clear")
     assert code == 0 and out.startswith("global limit: cap none, rate none")
+
+
+def test_why_and_status_name_the_stored_global_limits(db_url: str, engine: sa.Engine,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A due job held back by the full stored cap, or the spent stored rate, is told so by why;
+    status prints the stored limits (and --json carries them)."""
+    first, second = jobq.enqueue(engine, "t"), jobq.enqueue(engine, "t")
+    jobq.set_limit(engine, max_in_flight=1)
+    assert len(jobq.claim_batch(engine, "w", 60, limit=5)) == 1
+    assert "not claimed: the global cap is full: 1 of 1 job(s) in flight (jobq limit)" in jobq.why(engine, second)
+    jobq.set_limit(engine, max_in_flight=jobq.UNLIMITED, rate_limit=(1, 60))
+    assert "not claimed: the global rate limit is spent: 1 start(s) in the last" in jobq.why(engine, second)
+    assert jobq.main(["--url", db_url, "status"]) == 0
+    assert "global limit: cap none, rate 1/60s" in capsys.readouterr().out
+    assert jobq.main(["--url", db_url, "status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["global_limit"]["rate_limit"] == [1, 60.0]
+    assert first != second
