@@ -8830,7 +8830,9 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         if cmd == "retry":
             _print_json({"id": ns.id, "reopened": outcome}) if ns.json else print("re-opened: " + " ".join(map(str, outcome)))
         else:
-            _print_json({"id": ns.id, "state": outcome}) if ns.json else print(f"job {ns.id}: {_cancel_outcome(outcome)}")
+            asked = outcome in _LIVE or outcome == "held"  # the job is not cancelled yet: its end is
+            _print_json({"id": ns.id, "state": outcome, "cancel_requested": asked}) if ns.json else print(
+                f"job {ns.id}: {_cancel_outcome(outcome)}")
     elif cmd in ("group", "groups"):
         if cmd == "groups":
             policies = groups(engine)

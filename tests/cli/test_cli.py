@@ -634,3 +634,28 @@ def test_the_password_is_scrubbed_when_the_user_name_is_the_dialects() -> None:
     assert "postgres" not in secrets and "hunter2" in secrets
     secrets = jobq._url_secrets("postgres://postgres:postgres@127.0.0.1/db")  # a password is always scrubbed
     assert "postgres" in secrets
+
+
+def test_cancel_of_a_running_job_says_cancel_requested_everywhere(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39 item 13. Old code printed `job N: running` (read as "nothing happened") and its
+    JSON had no cancel_requested. Correct: the text says the cancel is requested and when it
+    applies, --json says cancel_requested true, and show and why show the request."""
+    cli(db_url, "init", capsys=capsys)
+    engine = sa.create_engine(db_url)
+    try:
+        jid = jobq.enqueue(engine, "t")
+        lease = jobq.claim_batch(engine, "w", 300)[0]
+        code, out, err = cli(db_url, "cancel", str(jid), capsys=capsys)
+        assert code == 0 and out.strip() == f"job {jid}: cancel requested; it ends cancelled when its handler returns", err
+        code, out, _ = cli(db_url, "cancel", str(jid), "--json", capsys=capsys)
+        assert code == 0 and json.loads(out) == {"id": jid, "state": "leased", "cancel_requested": True}
+        code, out, _ = cli(db_url, "show", str(jid), capsys=capsys)
+        assert re.search(r"cancel_requested: True", out), out
+        assert json.loads(cli(db_url, "show", str(jid), "--json", capsys=capsys)[1])["cancel_requested"] is True
+        code, out, _ = cli(db_url, "why", str(jid), capsys=capsys)
+        assert "cancel requested" in out, out
+        assert jobq.fail(engine, jid, "stopped", worker_id="w", token=lease.token) == "cancelled"
+        code, out, _ = cli(db_url, "cancel", str(jid), "--json", capsys=capsys)
+        assert json.loads(out) == {"id": jid, "state": "cancelled", "cancel_requested": False}
+    finally:
+        engine.dispose()
