@@ -495,7 +495,7 @@ def test_every_command_that_prints_takes_json(db_url: str, capsys: pytest.Captur
     graph = j("graph", str(a))
     assert graph["edges"] == [[a, b]] and [n["id"] for n in graph["nodes"]] == [a, b]  # type: ignore[index]
     assert graph["text"].startswith("flowchart TD")  # type: ignore[index]
-    assert j("cancel", str(a)) == {"id": a, "state": "cancelled"}
+    assert j("cancel", str(a)) == {"id": a, "state": "cancelled", "cancel_requested": False}
     assert j("retry", str(a)) == {"id": a, "reopened": [a, b]}
     st = j("status")
     assert st["states"]["ready"] == 1 and st["ready_due"] == 1 and st["ready_scheduled"] == 0  # type: ignore[index]
