@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
+from helpers import wait_for
 
 NOW = dt.datetime(2030, 1, 1)
 
@@ -376,6 +377,40 @@ def test_the_pinned_count_walks_the_in_flight_index_and_marks_its_dead_entries(e
             conn.exec_driver_sql("ALTER TABLE jobs RESET (autovacuum_enabled)")
 
 
+def _wait_until_dead_to_all(engine: sa.Engine, xid: str) -> None:
+    """An index scan marks an entry dead only once its row is dead to every transaction that
+    might still look: PostgreSQL refuses at once while any transaction of the whole server
+    (another database's too: a parallel test run, an xdist sibling) that began before ``xid``
+    committed is still running, and, within this database, while a session keeps a snapshot
+    older than it (an autovacuum ANALYZE after an earlier test's churn, a session left open).
+    The second count then walks the same rows. Wait for both to pass (they only ever pass
+    once: later transactions and snapshots are younger); name the holders if they do not."""
+    holders = sa.text(
+        "SELECT 'server' AS what, NULL AS pid, NULL AS state, NULL AS query"
+        " WHERE pg_snapshot_xmin(pg_current_snapshot()) <= CAST(:xid AS xid8)"
+        " UNION ALL SELECT 'snapshot', pid, state, left(query, 80) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        " AND (age(backend_xmin) >= age(xid(CAST(:xid AS xid8))) OR age(backend_xid) >= age(xid(CAST(:xid AS xid8))))")
+    seen: list[Any] = []
+    probe = sa.create_engine(engine.url, poolclass=sa.pool.NullPool)
+
+    def none_left() -> bool:
+        with probe.connect() as conn:
+            seen[:] = conn.execute(holders, {"xid": xid}).all()
+        return not seen
+
+    try:
+        wait_for(none_left, timeout=60, interval=0.05, what="older transactions to end")
+    except AssertionError:
+        raise AssertionError(f"transactions older than the finished rows do not end: {seen}") from None
+    finally:
+        probe.dispose()
+    # A session computes who might still look only when its snapshot's horizon moved since it
+    # last did, and keeps the answer: a pooled session that last asked while they were running
+    # would go on refusing. A new session asks afresh.
+    engine.dispose()
+
+
 def _count_marks_dead_entries(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         jobq.submit(conn, [{"key": str(i), "type": "t"} for i in range(3000)])
@@ -386,6 +421,8 @@ def _count_marks_dead_entries(engine: sa.Engine) -> None:
         conn.exec_driver_sql("UPDATE jobs SET in_flight = true, state = 'running' WHERE NOT in_flight")
     with engine.begin() as conn:
         conn.exec_driver_sql("UPDATE jobs SET in_flight = false, state = 'done' WHERE id > (SELECT min(id) + 9 FROM jobs)")
+        finished_by = conn.exec_driver_sql("SELECT pg_current_xact_id()::text").scalar_one()
+    _wait_until_dead_to_all(engine, finished_by)
     with engine.connect() as conn:
         with conn.begin():
             for plan in ("seqscan", "indexscan", "indexonlyscan"):
