@@ -8286,10 +8286,16 @@ def _rate(text: str) -> tuple[str, tuple[int, float]]:
 # ---- credentials: never printed, whatever the URL parser made of them
 
 
+class _LoginName(str):
+    """A piece of the URL's user name. A login is no password: it is blanked only where it
+    stands as one (see :func:`_scrub`), so the user "root" leaves "jobq retry --root 7" alone."""
+
+
 def _url_secrets(raw: str) -> list[str]:
     """Every piece of the URL's credentials that an error message could contain: the raw
     userinfo, its user name and password, their fragments around reserved characters (an
-    unescaped ``@`` in a password puts the rest into the host name), decoded and not."""
+    unescaped ``@`` in a password puts the rest into the host name), decoded and not. Pieces of
+    the user name alone come as :class:`_LoginName`."""
     import re
     import urllib.parse
 
@@ -8299,13 +8305,15 @@ def _url_secrets(raw: str) -> list[str]:
         return [raw] if raw else []
     userinfo = rest[:at]
     user, _, password = userinfo.partition(":")
-    found = {raw, userinfo, user, password, *re.split(r"[@:/?#\[\]]", userinfo)}
-    found |= {urllib.parse.unquote(s) for s in found}
+    secret = {raw, *((userinfo, password, *re.split(r"[@:/?#\[\]]", password)) if password else ())}
+    secret |= {urllib.parse.unquote(s) for s in secret}
+    login = {user, *re.split(r"[@:/?#\[\]]", user)}
+    login = {*login, *(urllib.parse.unquote(s) for s in login)} - secret
     # A user name that is the dialect's or driver's own name ("postgres://postgres@...") is no
     # secret, and blanking it would blank the error that names the dialect; the password stays.
-    secret = {password, urllib.parse.unquote(password), *re.split(r"[@:/?#\[\]]", password)}
     public = {part for part in re.split(r"[+]", raw.partition("://")[0].lower()) if part} - secret
-    return sorted((s for s in found if s and s.lower() not in public), key=len, reverse=True)
+    found = [*(s for s in secret if s), *(_LoginName(s) for s in login if s and s.lower() not in public)]
+    return sorted(found, key=len, reverse=True)
 
 
 def _url_hint(raw: str) -> str:
@@ -8320,14 +8328,20 @@ def _url_hint(raw: str) -> str:
 
 def _scrub(text: str, secrets: Sequence[str]) -> str:
     """``text`` without any of ``secrets``. Pieces shorter than 4 characters only where they
-    stand alone (between non-alphanumerics), so a password "ss" does not garble "address"."""
+    stand alone (between non-alphanumerics), so a password "ss" does not garble "address". A
+    :class:`_LoginName` only where it stands as a login: before an ``@`` (``root@host``,
+    ``'root'@'localhost'``), as a URL's ``root:password@``, or quoted whole as drivers name the
+    user (``for user "root"``)."""
     import re
 
     for s in secrets:
-        if len(s) >= 4:
+        e = re.escape(s)
+        if isinstance(s, _LoginName):
+            text = re.sub(rf"(?<![\w.%+-]){e}(?=['\"]?@|:[^\s@/'\"]*@)|(?<=[\"']){e}(?=[\"'])", "***", text)
+        elif len(s) >= 4:
             text = text.replace(s, "***")
         else:
-            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(s)}(?![A-Za-z0-9])", "***", text)
+            text = re.sub(rf"(?<![A-Za-z0-9]){e}(?![A-Za-z0-9])", "***", text)
     return text
 
 

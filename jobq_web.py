@@ -493,9 +493,7 @@ class Dashboard:
         self.token = token
         self.hide_args = hide_args
         self.title = title
-        url = engine.url
-        secrets = [url.password, url.username, url.render_as_string(hide_password=False)]
-        self._secrets = sorted({str(s) for s in secrets if s}, key=len, reverse=True)
+        self._secrets = jobq._url_secrets(engine.url.render_as_string(hide_password=False))
 
     # ---- auth: a session cookie (HMAC of the token) plus a CSRF field, or a bearer token
 
@@ -575,9 +573,7 @@ class Dashboard:
         return status, headers, body
 
     def _scrub(self, text: str) -> str:
-        for s in self._secrets:
-            text = text.replace(s, "***")
-        return text
+        return jobq._scrub(text, self._secrets)
 
     def _route(self, req: _Request) -> _Response:
         parts = [p for p in req.path.split("/") if p]

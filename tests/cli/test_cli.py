@@ -659,3 +659,24 @@ def test_cancel_of_a_running_job_says_cancel_requested_everywhere(db_url: str, c
         assert json.loads(out) == {"id": jid, "state": "cancelled", "cancel_requested": False}
     finally:
         engine.dispose()
+
+
+# ---- issue 39: a user named "root" is blanked only where it stands as the login ----------------------------
+
+
+@pytest.mark.parametrize("url", ["mysql+pymysql://root@127.0.0.1:3307/db", "mariadb+pymysql://root@127.0.0.1:3306/db",
+                                 "mysql+pymysql://root:hunter2@127.0.0.1:3307/db"])
+def test_a_login_named_root_is_blanked_only_as_the_login(url: str) -> None:
+    """Old code blanked "root" everywhere: `jobq retry --*** 7`, `from its ***`. The login is
+    still blanked where a message names it as one, and a password everywhere."""
+    secrets = jobq._url_secrets(url)
+    advice = "retry that one first, or re-open the chain from its root: jobq retry --root 7 (root/rooted)"
+    assert jobq._scrub(advice, secrets) == advice
+    assert jobq._scrub("(1045, \"Access denied for user 'root'@'localhost' (using password: YES)\")", secrets) == \
+        "(1045, \"Access denied for user '***'@'localhost' (using password: YES)\")"
+    assert jobq._scrub('password authentication failed for user "root"', secrets) == \
+        'password authentication failed for user "***"'
+    shown = url.replace(":hunter2", ":***")  # SQLAlchemy's own rendering of the URL
+    assert "root" not in jobq._scrub(f"engine {shown} and {shown.partition('://')[2]}", secrets)
+    assert jobq._scrub("the password hunter2 and hunter2hunter2 again", secrets).count("hunter2") == \
+        (0 if "hunter2" in url else 3)
