@@ -3322,6 +3322,14 @@ _INT32 = 1 << 31
 _MAX_SLOTS = 100_000
 #: Largest fair-share weight (a job's, a stored group policy's, ``jobq group --weight``).
 _MAX_WEIGHT = 1_000_000
+#: Most starts a rate limit allows per period (``set_group``, ``set_limit``, ``rate_limits``,
+#: ``jobq group/limit/worker --rate``).
+_MAX_RATE_STARTS = 1_000_000
+#: Shortest rate-limit period, in seconds. A claim counts the starts of the window ending at
+#: the database's now, and one claim round trip takes milliseconds: a shorter window than
+#: this holds no start of another claim, so "1/1e-7s" would read as a limit and be none.
+#: Faster rates are written over a longer period (100/1s, not 1/0.01s).
+_MIN_RATE_PERIOD = 0.1
 #: Longest wait before a retry, in seconds (``fail(delay=...)``, a ``retry_backoff``'s answer).
 _MAX_DELAY = MAX_TIMEDELTA.total_seconds()
 _MIN_TIME = _dt.datetime(1970, 1, 2)
@@ -4382,9 +4390,12 @@ def _check_rate_pair(value: Any, what: str, forms: str) -> tuple[int, float]:
     Worker's rate_limits (_check_rate_limits) share; ``forms`` names what ``what`` accepts."""
     if not isinstance(value, tuple) or len(value) != 2:
         raise ConfigError(f"{what} must be {forms}, got {value!r}")
-    n = _check_int(value[0], f"{what} starts", 1, 1_000_000, ConfigError)
+    n = _check_int(value[0], f"{what} starts", 1, _MAX_RATE_STARTS, ConfigError)
     period = _check_seconds(value[1], f"{what} period", ConfigError, optional=False)
     assert period is not None
+    if period < _MIN_RATE_PERIOD:
+        raise ConfigError(f"{what} period must be at least {_MIN_RATE_PERIOD} seconds (write a faster rate "
+                          f"over a longer period: 100/1s, not 1/0.01s), got {value[1]!r}")
     if period > START_LOG_RETENTION.total_seconds():
         raise ConfigError(f"{what} period is longer than START_LOG_RETENTION")
     return n, float(period)
@@ -4570,7 +4581,7 @@ def set_limit(
     if max_in_flight is UNLIMITED:
         new["max_in_flight"] = None
     elif max_in_flight is not None:
-        new["max_in_flight"] = _check_int(max_in_flight, "max_in_flight", 1, 100_000, ConfigError)
+        new["max_in_flight"] = _check_int(max_in_flight, "max_in_flight", 1, _MAX_SLOTS, ConfigError)
     if rate_limit is UNLIMITED:
         new["rate_limit"] = None
     elif rate_limit is not None:
@@ -6707,9 +6718,9 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         fix = functools.partial(object.__setattr__, self)
-        fix("max_concurrency", _check_int(self.max_concurrency, "max_concurrency", 1, 100_000, ConfigError))
+        fix("max_concurrency", _check_int(self.max_concurrency, "max_concurrency", 1, _MAX_SLOTS, ConfigError))
         local = self.max_concurrency if self.local_concurrency is None else _check_int(
-            self.local_concurrency, "local_concurrency", 1, 100_000, ConfigError)
+            self.local_concurrency, "local_concurrency", 1, _MAX_SLOTS, ConfigError)
         if local > self.max_concurrency:
             raise ConfigError(
                 f"local_concurrency={local} is above max_concurrency={self.max_concurrency}: the global cap "
@@ -6738,7 +6749,7 @@ class WorkerOptions:
                 raise ConfigError(f"start_method {self.start_method!r} is not available here")
         fix("worker_id", _check_name(self.worker_id, "worker_id") if self.worker_id is not None else _worker_id())
         fix("timeout", _check_seconds(self.timeout, "timeout", ConfigError))
-        fix("group_caps", {str(g): _check_int(n, f"group_caps[{g!r}]", 1, 100_000, ConfigError)
+        fix("group_caps", {str(g): _check_int(n, f"group_caps[{g!r}]", 1, _MAX_SLOTS, ConfigError)
                            for g, n in (self.group_caps or {}).items()})
         fix("rate_limits", _check_rate_limits(self.rate_limits))
         fix("retry_backoff", self.retry_backoff or backoff)
@@ -8239,14 +8250,23 @@ def _job_id(text: str) -> int:
     return value
 
 
-def _count(text: str) -> int:
+def _whole(text: str, most: int) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= 100_000:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100000, got {text!r}")
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {most}, got {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    """A cap, a concurrency or a number of rows: the API's bound on caps (_MAX_SLOTS)."""
+    return _whole(text, _MAX_SLOTS)
+
+
+def _weight(text: str) -> int:
+    return _whole(text, _MAX_WEIGHT)
 
 
 def _port(text: str) -> int:
@@ -8280,7 +8300,11 @@ def _rate(text: str) -> tuple[str, tuple[int, float]]:
     n, slash, per = spec.partition("/")
     if not eq or not group or not slash:
         raise argparse.ArgumentTypeError(f"--rate must look like GROUP=N/SECONDS (e.g. tenant-a=10/60 or '*=100/1m'), got {text!r}")
-    return group, (_count(n), _seconds(per, "--rate's period", unit=False, zero=False))
+    period = _seconds(per, "--rate's period", unit=False, zero=False)
+    if period < _MIN_RATE_PERIOD:
+        raise argparse.ArgumentTypeError(f"--rate's period must be at least {_MIN_RATE_PERIOD} seconds (write a "
+                                         f"faster rate over a longer period: 100/1s, not 1/0.01s), got {text!r}")
+    return group, (_whole(n, _MAX_RATE_STARTS), period)
 
 
 # ---- credentials: never printed, whatever the URL parser made of them
@@ -8594,7 +8618,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("type")
     p.add_argument("--args", default="{}", metavar="JSON", help="the job's arguments: a JSON object")
     p.add_argument("--group", default="default", help="fair-share group (default: default)")
-    p.add_argument("--weight", type=int, default=1)
+    p.add_argument("--weight", type=_weight, default=1, help=f"fair-share weight (1 to {_MAX_WEIGHT}; default: 1)")
     p.add_argument("--depends-on", type=_job_id, action="append", default=[], metavar="ID",
                    help="run only after job ID is done (repeatable)")
     p.add_argument("--after", type=_job_id, action="append", default=[], help=argparse.SUPPRESS)  # deprecated
@@ -8626,7 +8650,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="first retry the failed or cancelled jobs up its chain that keep it closed")
     p = add("group", "show a group's stored policy, or change it (weight, cap, rate, pause) for every worker")
     p.add_argument("key", metavar="KEY")
-    p.add_argument("--weight", type=_count, help="fair-share weight (int >= 1)")
+    p.add_argument("--weight", type=_weight, help=f"fair-share weight (1 to {_MAX_WEIGHT})")
     p.add_argument("--cap", type=_limit_or_none(_count), metavar="N|none", help="most jobs in flight; none: no cap")
     p.add_argument("--rate", type=_limit_or_none(str), metavar="N/PERIOD|none",
                    help="most N starts per PERIOD (10/1m, 5/30s); none: no rate limit")
