@@ -1,7 +1,9 @@
 """The global limits stored in the database (set_limit, get_limit, `jobq limit`): every claim on
 the database counts against the stored cap in its own transaction, whatever each worker was
 given; a worker's max_concurrency is its share of it (the smaller wins). The race-shaped
-check, with a BROKEN variant the harness catches, is in tests/races (stored global cap)."""
+check, with a BROKEN variant the harness catches, is in tests/races (stored global cap, with and
+without a cap of the claimer's own); a cap lowered while a claim waits for the claim lock is
+checked here, beside its BROKEN variant (the cap read before the lock)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import FAST
+from dbs import only
+from helpers import FAST, INNODB_TRX_POLL, backend_id, wait_for, waits_for_a_row_lock
 
 ONE_LINE = "jobq: "
 
@@ -65,6 +68,66 @@ def test_every_claim_counts_against_the_stored_cap_whatever_its_own(engine: sa.E
     assert len(jobq.claim_batch(engine, "c", 60, limit=5)) == 1  # the stored 5
     jobq.set_limit(engine, max_in_flight=jobq.UNLIMITED)
     assert len(jobq.claim_batch(engine, "c", 60, limit=5)) == 5
+
+
+def _claim_while_the_cap_is_lowered(engine: sa.Engine, own_cap: int | None) -> tuple[int, int]:
+    """A stored cap of 5 and 8 ready jobs; set_limit(max_in_flight=1) runs in a transaction left
+    open, holding the claim lock, while a claim (with ``own_cap`` of its own, or none) starts
+    in another session; once the claim waits for that lock (or has returned), the lowered cap
+    commits. Returns (the jobs the claim leased, the jobs in flight afterwards)."""
+    for _ in range(8):
+        jobq.enqueue(engine, "t")
+    jobq.set_limit(engine, max_in_flight=5)
+    one = sa.create_engine(engine.url, poolclass=sa.pool.StaticPool)  # the claim's one connection
+    got: list[int] = []
+    try:
+        with one.connect() as conn:
+            backend = backend_id(conn)
+            conn.rollback()
+        claimer = threading.Thread(target=lambda: got.append(len(jobq.claim_batch(one, "w", 60, limit=8,
+                                                                                   max_in_flight=own_cap))))
+        with engine.begin() as conn:
+            jobq.set_limit(conn, max_in_flight=1)
+            claimer.start()
+            wait_for(lambda: got or waits_for_a_row_lock(engine, backend), timeout=30, interval=INNODB_TRX_POLL,
+                     what="the claim to wait for the claim lock, or return")
+        claimer.join(30)
+    finally:
+        one.dispose()
+    assert got, "the claim never returned"
+    with engine.connect() as conn:
+        in_flight = conn.execute(sa.text("SELECT COUNT(*) FROM jobs WHERE in_flight")).scalar_one()
+    return got[0], in_flight
+
+
+@only("postgresql", "mysql", "mariadb")  # row locks: on SQLite the claim's BEGIN IMMEDIATE waits before it reads
+@pytest.mark.parametrize("own_cap", [None, 8])
+def test_a_cap_lowered_while_a_claim_waits_for_the_lock_binds_that_claim(engine: sa.Engine, own_cap: int | None) -> None:
+    """set_limit lowers the stored cap from 5 to 1 under the claim lock while a claim waits for
+    that lock. Correct: the claim reads the cap in the statement that takes the lock, so it
+    sees 1 and leases 1 job. The bug (the cap read by a statement before the lock, or a claim
+    with no cap of its own that obeys the stored cap without locking) leases 5 under a cap of 1."""
+    assert _claim_while_the_cap_is_lowered(engine, own_cap) == (1, 1)
+
+
+@only("postgresql", "mysql", "mariadb")
+@pytest.mark.parametrize("own_cap", [None, 8])
+def test_the_lowered_cap_check_catches_a_cap_read_before_the_claim_lock(
+        engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, own_cap: int | None) -> None:
+    """The broken variant: the claim takes its lock, but obeys the global limits an unlocked
+    read of the same rows found just before. It leases 5 under the lowered cap of 1, and the
+    check above fails."""
+    real = jobq._lock_claim
+
+    def stale(conn: sa.Connection, d: jobq._Dialect, pin: bool = False) -> tuple[tuple[int, int], jobq.GlobalLimit]:
+        _, glob = jobq._claim_meta(jobq._hot_rows(conn, jobq._q_claim_lock_value(False), {}))
+        return real(conn, d, pin)[0], glob
+
+    monkeypatch.setattr(jobq, "_lock_claim", stale)
+    got = _claim_while_the_cap_is_lowered(engine, own_cap)
+    assert got == (5, 5)
+    with pytest.raises(AssertionError):
+        assert got == (1, 1)
 
 
 def test_a_stored_global_rate_limit_counts_every_group_together(engine: sa.Engine) -> None:

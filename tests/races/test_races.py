@@ -248,3 +248,24 @@ def test_harness_catches_a_stored_global_cap_read_outside_the_claim(db_url: str,
     the next overspends the cap."""
     _trials(db_url, dialect, tmp_path, "stored_global_cap_outside_claim", lambda r: r.max_overlap > 3,
             n_jobs=200, cap=3, hold=0.005, batch_max=3)
+
+
+def test_a_stored_global_cap_binds_claimers_without_a_cap_of_their_own(db_url: str, dialect: str,
+                                                                       tmp_path: pathlib.Path) -> None:
+    """set_limit(max_in_flight=3) and 12 claimers with no cap of their own (claim_batch called
+    without one): the largest overlap never exceeds 3 (and reaches 2). Such a claim reads the
+    stored limits unlocked first, and the stored cap makes it take the claim lock and count
+    under it; a claim that counted against the stored cap without the lock overspends it."""
+    r = run_drain(db_url, "stored_global_cap_alone", tmp_path, n_jobs=300 * ROUNDS, cap=3, hold=0.005, batch_max=3)
+    _row(dialect, "stored global cap, no own cap", r)
+    assert (r.duplicates, r.lost) == (0, 0)
+    assert 2 <= r.max_overlap <= 3
+
+
+@only("postgresql", "mysql", "mariadb")  # on SQLite, BEGIN IMMEDIATE already serialises the count
+def test_harness_catches_a_stored_global_cap_read_without_the_claim_lock(db_url: str, dialect: str,
+                                                                        tmp_path: pathlib.Path) -> None:
+    """A claim with no cap of its own that obeys the stored cap but does not take the claim
+    lock for it (it locks only for stored group policy) overspends the cap."""
+    _trials(db_url, dialect, tmp_path, "stored_global_cap_alone_unlocked", lambda r: r.max_overlap > 3,
+            n_jobs=200, cap=3, hold=0.005, batch_max=3)

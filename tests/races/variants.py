@@ -235,6 +235,35 @@ def stored_global_cap_outside_claim(engine: sa.Engine, wid: str, limit: int, cap
     return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=min(limit, free), max_in_flight=4 * cap)]
 
 
+def stored_global_cap_alone(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """jobq's claim bound by the stored global cap alone: no cap or limit of its own (as
+    claim_batch and tick are called without one), so only the stored cap makes it lock."""
+    assert cap is not None
+    _store_global_cap(engine, cap)
+    return [(l.id, l.token) for l in jobq.claim_batch(engine, wid, TTL, limit=limit)]
+
+
+def _claim_lock_skipped() -> None:
+    # The claim's lock replaced, in this (claimer) process, by the same read without the lock.
+    real = jobq._lock_claim
+    if getattr(real, "broken", False):
+        return
+
+    def unlocked(conn, d, pin=False):  # type: ignore[no-untyped-def]
+        return jobq._claim_meta(jobq._hot_rows(conn, jobq._q_claim_lock_value(pin), {}))
+
+    unlocked.broken = True  # type: ignore[attr-defined]
+    jobq._lock_claim = unlocked
+
+
+def stored_global_cap_alone_unlocked(engine: sa.Engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
+    """BROKEN (servers): a claim with no cap of its own reads the stored global cap (and counts
+    the jobs in flight) without taking the claim lock: it sees the cap, but not the claims
+    that run beside it."""
+    _claim_lock_skipped()
+    return stored_global_cap_alone(engine, wid, limit, cap)
+
+
 async def async_correct(engine, wid: str, limit: int, cap: int | None) -> list[tuple[int, str]]:
     """jobq.aio's claim on an AsyncEngine: the same claim, bridged to the event loop."""
     leases = await jobq.aio.claim_batch(engine, wid, TTL, limit=limit, max_in_flight=cap)
@@ -281,5 +310,7 @@ VARIANTS = {
     "stored_rate_outside_claim": stored_rate_outside_claim,
     "stored_global_cap": stored_global_cap,
     "stored_global_cap_outside_claim": stored_global_cap_outside_claim,
+    "stored_global_cap_alone": stored_global_cap_alone,
+    "stored_global_cap_alone_unlocked": stored_global_cap_alone_unlocked,
     "lock_chosen_without_recheck": lock_chosen_without_recheck,
 }
