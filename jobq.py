@@ -1231,18 +1231,22 @@ def _q_schema_version() -> sa.Select[Any]:
     return sa.select(_meta.c.value).where(_meta.c.key == "schema_version")
 
 
-def _q_list_jobs(*, state: str | None, type: str | None, group: str | None, since: _dt.datetime | None,
-                 limit: int, until: _dt.datetime | None = None, before: int | None = None) -> sa.Select[Any]:
-    """`jobq ls` and the dashboard's job list: the newest jobs first, filtered; ``before`` (an
-    id) pages backwards by key, so a page costs the same however deep it is."""
+def _q_list_jobs(*, state: str | Sequence[str] | None, type: str | None, group: str | None,
+                 since: _dt.datetime | None, limit: int, until: _dt.datetime | None = None,
+                 before: int | None = None) -> sa.Select[Any]:
+    """`jobq ls` and the dashboard's job list: the newest jobs first, filtered (``state``: one
+    state, or any of several); ``before`` (an id) pages backwards by key, so a page costs the
+    same however deep it is."""
     stmt = sa.select(_c.id, _c.type, _c.state, _c.group_key, _c.attempts, _c.max_attempts, _c.run_after,
                      _c.created_at, _c.finished_at)
     if until is not None:
         stmt = stmt.where(_c.created_at < until)
     if before is not None:
         stmt = stmt.where(_c.id < before)
-    if state is not None:
+    if isinstance(state, str):
         stmt = stmt.where(_c.state == state)
+    elif state is not None:
+        stmt = stmt.where(_c.state.in_(sorted(set(state))))
     if type is not None:
         stmt = stmt.where(_c.type == type)
     if group is not None:
@@ -8269,6 +8273,15 @@ def _weight(text: str) -> int:
     return _whole(text, _MAX_WEIGHT)
 
 
+def _states(text: str) -> list[str]:
+    """``--state``'s value: one state, or several separated by commas (failed,cancelled)."""
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in STATES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"invalid state {bad[0]!r} (choose from {', '.join(STATES)})")
+    return names
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, got {text!r}")
@@ -8633,12 +8646,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--unique-key", metavar="KEY", help="while an unfinished job holds KEY, print its id and add nothing")
     p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")
     p.add_argument("--watch", type=_interval, metavar="SECONDS", help="refresh in place every SECONDS")
-    p = add("ls", "list jobs, newest first")
-    p.add_argument("--state", choices=STATES)
+    p = add("ls", "list jobs, newest first (a note on stderr when more match than --limit)")
+    p.add_argument("--state", type=_states, action="extend", metavar="STATE[,STATE]",
+                   help="only jobs in this state (repeatable, or comma-separated: failed,cancelled)")
     p.add_argument("--type")
     p.add_argument("--group")
     p.add_argument("--since", type=_duration, metavar="DURATION", help="created within, e.g. 1h")
-    p.add_argument("--limit", type=_count, default=50)
+    p.add_argument("--before", type=_job_id, metavar="ID", help="only jobs older than job ID (the next page)")
+    p.add_argument("--limit", type=_count, default=50, help=f"most rows (default: 50, at most {_MAX_SLOTS})")
     for name, text in (("show", "every field of a job, its upstreams, dependents and children"),
                        ("why", "why a job is not running right now, in one line"),
                        ("retry", "retry a failed or cancelled job (and re-open what it closed)"),
@@ -8826,9 +8841,14 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
     elif cmd == "ls":
         with engine.connect() as conn:
             since = _prepare(engine).db_now(conn) - ns.since if ns.since is not None else None
-            rows = [dict(r._mapping) for r in conn.execute(
-                _q_list_jobs(state=ns.state, type=ns.type, group=ns.group, since=since, limit=ns.limit))]
+            rows = [dict(r._mapping) for r in conn.execute(_q_list_jobs(
+                state=ns.state, type=ns.type, group=ns.group, since=since, before=ns.before, limit=ns.limit + 1))]
             conn.rollback()
+        if len(rows) > ns.limit:  # on stderr, so a pipe reading stdout gets only the rows
+            rows = rows[:ns.limit]
+            more = f", or raise --limit (at most {_MAX_SLOTS})" if ns.limit < _MAX_SLOTS else ""
+            print(f"jobq: showing the newest {ns.limit} matching jobs, and more match: the next page is "
+                  f"--before {rows[-1]['id']}{more}", file=sys.stderr)
         if ns.json:
             _print_json(rows)
         else:
