@@ -1983,10 +1983,14 @@ def _q_busy_or_due(types: Sequence[str], now: _dt.datetime) -> sa.CompoundSelect
     # index (ready rows; in-flight rows, which are exactly the leased and running ones): one
     # WHERE with an OR over both scanned the whole table, finished history included (16 ms at
     # 100k done rows on SQLite, on every idle check).
+    # A paused group's ready jobs are no claimable work: no tick can start them until someone
+    # resumes the group, so they must not keep the worker ticking (one primary-key probe of
+    # jobq_groups per due row).
     typed = _c.type.in_(list(types))
+    paused = sa.exists().where(_groups.c.group_key == _c.group_key, _groups.c.paused == _TRUE)
     # Ordered as the ready index is, so that statistics gathered while every row was ready
     # cannot make a table scan look cheaper (SQLite).
-    due = (sa.select(_c.id).where(_state_is("ready"), sa.or_(_c.run_after <= now, _c.attempts > 0), typed)
+    due = (sa.select(_c.id).where(_state_is("ready"), sa.or_(_c.run_after <= now, _c.attempts > 0), typed, ~paused)
            .order_by(_c.group_key).limit(1))
     live = sa.select(_c.id).where(_c.in_flight == _TRUE, _state_is(*_LIVE), typed).limit(1)
     return sa.union_all(due.subquery().select(), live.subquery().select())
@@ -7569,10 +7573,11 @@ class Worker(_WorkerCore):
     def run_until_idle(self, timeout: float | None = None) -> bool:
         """Tick until idle: nothing of this worker's types is due (``ready`` with its
         ``run_after`` passed), retrying (``ready`` again after an attempt, backing off), leased
-        or running, and none of its handlers is busy. Jobs first scheduled for later, or waiting
-        on upstreams, do not keep it ticking. Returns True when
-        idle, False if ``timeout`` seconds passed (unfinished jobs are then released, as by a
-        graceful stop)."""
+        or running, and none of its handlers is busy. Idle means no work a claim could start:
+        jobs first scheduled for later, waiting on upstreams, or in a paused group (see
+        :func:`set_group`) do not keep it ticking; due jobs held back by a cap or a spent rate
+        limit do, since a later tick starts them. Returns True when idle, False if ``timeout``
+        seconds passed (unfinished jobs are then released, as by a graceful stop)."""
         self._start_heartbeats()
         try:
             return self._drive(self._until_idle_steps(timeout))
