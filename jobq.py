@@ -3990,6 +3990,7 @@ def _insert_graph(conn: Connection, d: _Dialect, plan: _Plan, now: _dt.datetime,
     if keys:
         for chunk in _chunks(sorted(keys)):
             held.update((keys[u], i) for u, i in d.live_keys(conn, chunk).items())
+        _checkpoint("unique_keys_read", sorted(held.values()))
         if held:
             _refuse_unborn_holders(conn, plan, held, hold.own if hold is not None else frozenset())
             plan = _without(plan, held)
@@ -4113,8 +4114,15 @@ def _spawn(engine: Engine, plan: _Plan, hold: _Hold) -> dict[str, int]:
         return _insert_graph(conn, d, plan, d.db_now(conn), hold)
 
     # Not retried on a connection lost during COMMIT (as _submit): the dispatch's end cleans up
-    # whatever landed, and the handler sees the error.
-    return _transaction(engine, run)
+    # whatever landed, and the handler sees the error. A key taken by a transaction that
+    # committed after the lookup is looked up again, as _submit does: the holder it then finds
+    # is handed back (or refused, if it is another dispatch's held spawn).
+    for _ in range(_KEY_RERUNS):
+        try:
+            return _transaction(engine, run)
+        except _KeyTaken:
+            continue
+    raise JobqError(f"unique_key: the keys were taken by concurrent transactions {_KEY_RERUNS} times in a row")
 
 
 def _born_rows(plan: _Plan, up_state: Mapping[int, str], gated: Mapping[int, bool], now: _dt.datetime
@@ -6333,7 +6341,9 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     thread, before the outcome is queued), "finalize_before_commit" (inside the finalize
     transaction), "finalized" (after it committed); prune's "prune_read" (a batch read without
     locks) and "prune_locked" (the batch locked and checked again, before its delete), both
-    inside its transaction (the race tests replace it).
+    inside its transaction (the race tests replace it); "unique_keys_read" (enqueue, submit and
+    spawns with unique keys: the keys looked up, their holders locked, before the insert,
+    inside its transaction; job_ids are the holders found).
     """
 
 
