@@ -136,9 +136,14 @@ def _group_rows(engine: sa.Engine, st: Mapping[str, Any]) -> list[dict[str, Any]
     return rows
 
 
+def _global_limit(engine: sa.Engine) -> dict[str, Any]:
+    """The stored global limits every worker obeys (jobq.get_limit: cap, rate, updated_at)."""
+    return dataclasses.asdict(jobq.get_limit(engine))
+
+
 def overview(engine: sa.Engine) -> dict[str, Any]:
-    """The overview's data: stats() (indexes only), per-group rows, who holds the slots, and
-    finished jobs per 5 minutes over the last hour."""
+    """The overview's data: stats() (indexes only), per-group rows, the stored global limits,
+    who holds the slots, and finished jobs per 5 minutes over the last hour."""
     st = jobq.stats(engine)
     now = st["now"]
     since = now - _CHART_STEP * _CHART_SPANS
@@ -150,6 +155,7 @@ def overview(engine: sa.Engine) -> dict[str, Any]:
         conn.rollback()
     st = dict(st)
     st["groups"] = _group_rows(engine, st)
+    st["global_limit"] = _global_limit(engine)
     st["holders"] = sorted(holders, key=lambda h: (str(h["worker"]), h["group"]))
     st["chart"] = {"since": since, "step_seconds": _CHART_STEP.total_seconds(), "finished": chart}
     return st
@@ -202,8 +208,9 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
 
 def group_page(engine: sa.Engine, *, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """The groups page: the rows of the groups named after ``after``, at most ``limit`` of them
-    (None: all), with ``groups_total`` and ``next_after`` (the ``after`` of the next page, or
-    None). ``policy_stored`` is always true since schema 4 (kept for scripts that read it)."""
+    (None: all), with ``groups_total``, ``next_after`` (the ``after`` of the next page, or
+    None) and ``global_limit`` (the stored limits over all groups). ``policy_stored`` is always
+    true since schema 4 (kept for scripts that read it)."""
     st = jobq.stats(engine)
     rows = _group_rows(engine, st)
     total = len(rows)
@@ -212,7 +219,7 @@ def group_page(engine: sa.Engine, *, after: str | None = None, limit: int | None
     more = limit is not None and len(rows) > limit
     rows = rows[:limit] if limit is not None else rows
     return {"groups": rows, "policy_stored": True, "now": st["now"], "groups_total": total,
-            "next_after": rows[-1]["group"] if more and rows else None}
+            "next_after": rows[-1]["group"] if more and rows else None, "global_limit": _global_limit(engine)}
 
 
 # =============================================================================================
@@ -832,6 +839,7 @@ class Dashboard:
             ("ready: due / scheduled", f"{d['ready_due']} / {d['ready_scheduled']}"),
             ("next scheduled", _e(d["next_scheduled"]) or "-"),
             ("expired leases awaiting reclaim", str(d["expired_leases"])),
+            ("global limit (stored, every worker)", _global_html(d["global_limit"])),
             ("database time", _e(now)),
         ]
         facts_html = '<dl class="fields">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
@@ -945,7 +953,20 @@ class Dashboard:
             pager += f' &middot; <a id="next-groups" href="{b}/groups?{_e(urllib.parse.urlencode(q))}">next groups &rarr;</a>'
         if req.arg("after") is not None:
             pager += f' &middot; <a href="{b}/groups">&larr; first</a>'
-        return f"<h1>Groups</h1>{note}{table}{pager}</p>"
+        limit = (f'<p id="global-limits">Global limit over all groups (stored, every worker): '
+                 f'{_global_html(d["global_limit"])}</p>')
+        return f"<h1>Groups</h1>{limit}{note}{table}{pager}</p>"
+
+
+def _global_html(g: Mapping[str, Any]) -> str:
+    """The stored global limits in words, escaped; the element's id is ``global-limit``."""
+    rate = g["rate_limit"]
+    text = (f'cap {"none" if g["max_in_flight"] is None else g["max_in_flight"]}, '
+            f'rate {"none" if rate is None else f"{rate[0]}/{rate[1]:g}s"}')
+    if g["max_in_flight"] is None:
+        text += " (each worker's max_concurrency caps what it runs)"
+    return (f'<span id="global-limit">{_e(text)}</span> <span class="muted">(<code>jobq limit</code>, '
+            "<code>jobq.set_limit</code>)</span>")
 
 
 # ---- request arguments
