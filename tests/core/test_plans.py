@@ -310,7 +310,7 @@ BY_PARENT = {
     "children of": lambda e: jobq._q_children_of([5, 6]),
     "open children": lambda e: jobq._q_open_children([5, 6]),
     "open children, locked": lambda e: jobq._q_lock_open_children(_d(e), [5, 6]),
-    "unstarted children": lambda e: jobq._q_unstarted_children([5, 6]),
+    "unstarted children, locked": lambda e: jobq._q_unstarted_children(_d(e), [5, 6]),
     "waiting children": lambda e: jobq._q_waiting_children([5, 6]),
     "withdrawn cancels": lambda e: jobq._q_withdraw_cancel(5),
     "prune's no-child check": lambda e: jobq._q_prunable(["done"], NOW, 100),
