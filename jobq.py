@@ -5512,7 +5512,9 @@ def _settle(conn: Connection, d: _Dialect, now: _dt.datetime, events: Iterable[t
     container opens, releasing its children). failed/cancelled: waiting dependents, and the
     waiting subtree of a failed container, end in the same state naming the cause, which
     ``closed_by`` records. Either way the parent container counts the child, and rolls up when
-    it was the last. A work list, never recursion: chains and nests of any depth.
+    it was the last. Rounds of a work list, never Python recursion: a bad round's whole
+    downstream closes at once (_close_downstream, one recursive read for a chain of any depth),
+    nests of containers take a round per level.
 
     The dependents are read here, in statements after the one that made the jobs terminal: an
     enqueue share-locks the upstreams it names, so that statement waited for any enqueue of a
