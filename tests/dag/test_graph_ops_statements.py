@@ -124,10 +124,10 @@ def test_a_diamond_closes_each_job_once_naming_the_upstream_that_reached_it_firs
 
 
 def test_a_job_with_a_failed_and_a_cancelled_upstream_stays_closed_until_both_are_retried(engine: sa.Engine) -> None:
-    """x fails, y is cancelled, z depends on both (and w on z). z closes failed (a failed cause
-    before a cancelled one, as a level-by-level walk has it), w with it. Retrying x alone
-    re-opens nothing downstream (z still has y cancelled); retrying y then re-opens z and w,
-    exactly those, waiting on x and y again."""
+    """x fails, then y is cancelled; z depends on both (and w on z). z and w close failed when
+    x fails, naming x, and stay so when y is cancelled. Retrying x alone re-opens nothing
+    downstream (z still has y cancelled); retrying y then re-opens z and w, exactly those,
+    waiting on x and y again. A retry that did not check every upstream re-opens z with x."""
     ids = jobq.submit(engine, [
         {"key": "x", "type": "two", "max_attempts": 1}, {"key": "y", "type": "t"},
         {"key": "z", "type": "t", "depends_on": ["y", "x"]}, {"key": "w", "type": "t", "depends_on": ["z"]}])
