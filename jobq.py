@@ -1468,18 +1468,8 @@ def _q_upstreams_of(d: _Dialect, job_id: int) -> sa.Select[Any]:
 
 
 def _q_closed_nodes(ids: Sequence[int]) -> sa.Select[Any]:
-    """(id, state, parent_id) of these jobs (the walk to a closed job's roots, _retry_roots)."""
+    """(id, state, parent_id) of these jobs (why: the states of the roots it names)."""
     return sa.select(_c.id, _c.state, _c.parent_id).where(_c.id.in_(ids))
-
-
-def _q_closed_upstreams(ids: Sequence[int]) -> sa.Select[Any]:
-    """(job, upstream) for the failed or cancelled upstreams of these jobs: what keeps them
-    closed (retry refuses a job while it has one)."""
-    return (
-        sa.select(_deps.c.job_id, _deps.c.depends_on_id)
-        .join(_jobs, _c.id == _deps.c.depends_on_id)
-        .where(_deps.c.job_id.in_(ids), _state_is(*_BAD)).order_by(_deps.c.depends_on_id)
-    )
 
 
 def _q_parent_of(job_id: int) -> sa.Select[Any]:
@@ -1577,6 +1567,36 @@ def _q_downstream(d: _Dialect, walk: str) -> sa.TextualSelect:
     return _prebuilt(d, f"downstream:{walk}", lambda: sa.text(_DOWNSTREAM_CTE.format(
         prefix=d.recursion_prefix, hint=d.recursion_hint, join=d.ordered_join, pick=_DOWNSTREAM_PICK[walk]))
         .bindparams(sa.bindparam("b_ids", expanding=True)).columns(depends_on_id=_ID, job_id=_ID))
+
+
+# The failed or cancelled jobs up from one closed job (:job_id): its failed/cancelled upstreams
+# and closed containers, theirs, and so on, as (job, state, parent, failed/cancelled upstream or
+# NULL), a row per such upstream. One statement for a chain of any depth (_retry_roots then
+# walks the rows in memory). Each step follows both links of a job, picked by a two-row table
+# (k): the recursive reference may appear only once in a step (PostgreSQL). States are tested
+# by scalar subqueries, prefix, hint and join as in _DOWNSTREAM_CTE.
+_UPSTREAM_CTE = (
+    "{prefix}WITH RECURSIVE up(id) AS ("
+    " SELECT j.id FROM jobs j WHERE j.id = :job_id"
+    " UNION"
+    " SELECT CASE WHEN k.k = 0 THEN e.depends_on_id ELSE x.parent_id END"
+    " FROM up {join} jobs x ON x.id = up.id"
+    " {join} (SELECT 0 AS k UNION ALL SELECT 1 AS k) k ON 1 = 1"
+    " LEFT JOIN job_deps e ON k.k = 0 AND e.job_id = up.id"
+    " WHERE (SELECT j.state IN ('failed', 'cancelled') FROM jobs j"
+    " WHERE j.id = CASE WHEN k.k = 0 THEN e.depends_on_id ELSE x.parent_id END))"
+    " SELECT {hint}n.id, n.state, n.parent_id, e.depends_on_id FROM up {join} jobs n ON n.id = up.id"
+    " LEFT JOIN job_deps e ON e.job_id = up.id"
+    " AND (SELECT j.state IN ('failed', 'cancelled') FROM jobs j WHERE j.id = e.depends_on_id)"
+)
+
+
+def _q_closed_upstream_walk(d: _Dialect) -> sa.TextualSelect:
+    """(id, state, parent_id, bad upstream or None) for :job_id and every failed or cancelled
+    job up from it along upstreams and containers (_retry_roots)."""
+    return _prebuilt(d, "closed_upstream_walk", lambda: sa.text(_UPSTREAM_CTE.format(
+        prefix=d.recursion_prefix, hint=d.recursion_hint, join=d.ordered_join))
+        .columns(id=_ID, state=sa.String, parent_id=_ID, depends_on_id=_ID))
 
 
 def _q_unstarted_children(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
@@ -5963,7 +5983,7 @@ def retry(engine: Engine, job_id: int, *, now: _dt.datetime | None = None, from_
         reopened: list[int] = []
         # the roots first (each re-opens what it closed, this job's chain among it), then the
         # job itself if it is still closed (a job cancelled on its own is closed by nobody)
-        for jid in [*(_retry_roots(conn, job_id) if from_root else []), job_id]:
+        for jid in [*(_retry_roots(conn, job_id, d) if from_root else []), job_id]:
             found = conn.execute(_q_lock_jobs(d, [jid])).first()
             if jid in reopened or found is None or found.state not in _BAD:
                 continue
@@ -5998,19 +6018,25 @@ def _check_reopenable(conn: Connection, d: _Dialect, jid: int, asked: int) -> No
             break
 
 
-def _retry_roots(conn: Connection, job_id: int) -> list[int]:
+def _retry_roots(conn: Connection, job_id: int, d: _Dialect | None = None) -> list[int]:
     """The failed or cancelled jobs that keep a closed ``job_id`` closed and that a retry
     accepts now: up the failed/cancelled upstreams (of the job and of each closed container
     around it, as retry checks them), level by level, to those that have none. [job_id] when
-    nothing keeps it closed. Plain reads: retry then locks and checks each root again."""
+    nothing keeps it closed. One recursive read fetches every row the levels can reach; the
+    levels are then walked in memory. Plain reads: retry then locks and checks each root again."""
+    rows: dict[int, tuple[str, int | None]] = {}
+    bad_ups: dict[int, list[int]] = {}
+    for i, st, p, u in conn.execute(_q_closed_upstream_walk(d or _prepare(conn.engine)), {"job_id": job_id}):
+        rows[i] = (st, p)
+        if u is not None:
+            bad_ups.setdefault(i, []).append(u)
     roots: list[int] = []
     info: dict[int, tuple[str, int | None]] = {}
     seen, level = {job_id}, [job_id]
     while level:
         need = [j for j in level if j not in info]
         while need:  # the rows of this level, and of the closed containers around them
-            for chunk in _chunks(need):
-                info.update((i, (st, p)) for i, st, p in conn.execute(_q_closed_nodes(chunk)))
+            info.update((i, rows[i]) for i in need if i in rows)
             need = sorted({p for j in need if j in info for st, p in [info[j]]
                            if st in _BAD and p is not None and p not in info})
         scope: dict[int, list[int]] = {}
@@ -6019,14 +6045,9 @@ def _retry_roots(conn: Connection, job_id: int) -> list[int]:
             while (p := info.get(x, ("", None))[1]) is not None and info.get(p, ("", None))[0] in _BAD:
                 x = p
                 scope[j].append(x)
-        blockers: dict[int, list[int]] = {}
-        members = sorted({x for xs in scope.values() for x in xs})
-        for chunk in _chunks(members):
-            for j, u in conn.execute(_q_closed_upstreams(chunk)):
-                blockers.setdefault(j, []).append(u)
         nxt = []
         for j in level:
-            ups = sorted({u for x in scope[j] for u in blockers.get(x, [])})
+            ups = sorted({u for x in scope[j] for u in bad_ups.get(x, [])})
             if not ups:
                 roots.append(j)
             for u in ups:
@@ -6239,7 +6260,7 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
         if r.state == "done":
             return f"{head} is done: finished {_iso(r.finished_at)} after {r.attempts} attempt(s)"
         if r.state in ("failed", "cancelled"):
-            roots = [x for x in _retry_roots(conn, job_id) if x != job_id]
+            roots = [x for x in _retry_roots(conn, job_id, d) if x != job_id]
             if not roots:
                 return f"{head} is {r.state}: {_one_line(r.error or '')} (retry it with: jobq retry {job_id}){note}"
             states = {i: st for i, st, _ in conn.execute(_q_closed_nodes(roots[:5]))}

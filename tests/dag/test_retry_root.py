@@ -4,7 +4,10 @@ user told "jobq retry N" was refused ("retry that one first") one level at a tim
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -28,6 +31,46 @@ def failed(engine: sa.Engine, job_id: int | None = None) -> int:
 
 def states(engine: sa.Engine, *ids: int) -> list[str]:
     return [jobq.get(engine, i).state for i in ids]  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def counted(engine: sa.Engine) -> Iterator[list[str]]:
+    """The SQL statements the engine sends while the block runs."""
+    seen: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", note)
+
+
+def closed_chain_costs(engine: sa.Engine, n: int) -> tuple[int, int]:
+    """Statements of why and of retry(from_root=True) for the tail of a chain of ``n`` jobs
+    closed by its failed head (checking that why names the head and the retry re-opens all)."""
+    head_type = f"chainhead{next(_types)}"
+    ids = jobq.submit(engine, [{"key": "0", "type": head_type, "max_attempts": 1}] + [
+        {"key": str(i), "type": "t", "depends_on": [str(i - 1)]} for i in range(1, n)])
+    head, tail = ids["0"], ids[str(n - 1)]
+    failed(engine, head)
+    with counted(engine) as why_sql:
+        line = jobq.why(engine, tail)
+    assert f"retry job {head}, the failed job" in line, line
+    with counted(engine) as retry_sql:
+        reopened = jobq.retry(engine, tail, from_root=True)
+    assert reopened[0] == tail and sorted(reopened) == sorted(ids.values())
+    return len(why_sql), len(retry_sql)
+
+
+def test_finding_the_root_costs_statements_independent_of_the_chains_length(engine: sa.Engine) -> None:
+    """why and retry(from_root=True) of the tail of a 30-job and of a 120-job closed chain send
+    the same number of statements: one recursive read walks up to the root. A walk of a level
+    at a time (as before) shows as about 180 more statements for the longer chain."""
+    small, large = closed_chain_costs(engine, 30), closed_chain_costs(engine, 120)
+    assert large == small, f"(why, retry --root) statements: {small} for 30 jobs, {large} for 120"
 
 
 def test_why_names_the_root_of_a_closed_chain_and_retry_from_root_reopens_it(engine: sa.Engine) -> None:
