@@ -1569,34 +1569,32 @@ def _q_downstream(d: _Dialect, walk: str) -> sa.TextualSelect:
         .bindparams(sa.bindparam("b_ids", expanding=True)).columns(depends_on_id=_ID, job_id=_ID))
 
 
-# The failed or cancelled jobs up from one closed job (:job_id): its failed/cancelled upstreams
-# and closed containers, theirs, and so on, as (job, state, parent, failed/cancelled upstream or
-# NULL), a row per such upstream. One statement for a chain of any depth (_retry_roots then
-# walks the rows in memory). Each step follows both links of a job, picked by a two-row table
-# (k): the recursive reference may appear only once in a step (PostgreSQL). States are tested
-# by scalar subqueries, prefix, hint and join as in _DOWNSTREAM_CTE.
+# The failed or cancelled jobs up from one closed job (:job_id), as the links that reach them:
+# (job, the job it was reached from, 0 for an upstream and 1 for a container, job's state);
+# the closed job itself comes as (job_id, job_id, -1, state). One statement for a chain of any
+# depth; _retry_roots then walks the links in memory. A step follows both kinds of link of a
+# job, picked by a two-row table (k): the recursive reference may appear only once in a step
+# (PostgreSQL). Rows are read and tested by scalar subqueries (as in _DOWNSTREAM_CTE, whose
+# prefix, hint and join this shares), never joined: a join read the whole table per walk.
+_UPSTREAM_TARGET = "CASE WHEN k.k = 0 THEN e.depends_on_id ELSE (SELECT x.parent_id FROM jobs x WHERE x.id = up.id) END"
 _UPSTREAM_CTE = (
-    "{prefix}WITH RECURSIVE up(id) AS ("
-    " SELECT j.id FROM jobs j WHERE j.id = :job_id"
+    "{prefix}WITH RECURSIVE up(id, src, k) AS ("
+    " SELECT j.id, j.id, -1 FROM jobs j WHERE j.id = :job_id"
     " UNION"
-    " SELECT CASE WHEN k.k = 0 THEN e.depends_on_id ELSE x.parent_id END"
-    " FROM up {join} jobs x ON x.id = up.id"
-    " {join} (SELECT 0 AS k UNION ALL SELECT 1 AS k) k ON 1 = 1"
+    " SELECT {target}, up.id, k.k"
+    " FROM up {join} (SELECT 0 AS k UNION ALL SELECT 1 AS k) k ON 1 = 1"
     " LEFT JOIN job_deps e ON k.k = 0 AND e.job_id = up.id"
-    " WHERE (SELECT j.state IN ('failed', 'cancelled') FROM jobs j"
-    " WHERE j.id = CASE WHEN k.k = 0 THEN e.depends_on_id ELSE x.parent_id END))"
-    " SELECT {hint}n.id, n.state, n.parent_id, e.depends_on_id FROM up {join} jobs n ON n.id = up.id"
-    " LEFT JOIN job_deps e ON e.job_id = up.id"
-    " AND (SELECT j.state IN ('failed', 'cancelled') FROM jobs j WHERE j.id = e.depends_on_id)"
+    " WHERE (SELECT j.state IN ('failed', 'cancelled') FROM jobs j WHERE j.id = {target}))"
+    " SELECT {hint}up.id, up.src, up.k, (SELECT n.state FROM jobs n WHERE n.id = up.id) FROM up"
 )
 
 
 def _q_closed_upstream_walk(d: _Dialect) -> sa.TextualSelect:
-    """(id, state, parent_id, bad upstream or None) for :job_id and every failed or cancelled
-    job up from it along upstreams and containers (_retry_roots)."""
+    """(id, src, k, state): :job_id and every failed or cancelled job up from it along
+    upstreams (k 0) and containers (k 1), each link once (_retry_roots)."""
     return _prebuilt(d, "closed_upstream_walk", lambda: sa.text(_UPSTREAM_CTE.format(
-        prefix=d.recursion_prefix, hint=d.recursion_hint, join=d.ordered_join))
-        .columns(id=_ID, state=sa.String, parent_id=_ID, depends_on_id=_ID))
+        prefix=d.recursion_prefix, hint=d.recursion_hint, join=d.ordered_join, target=_UPSTREAM_TARGET))
+        .columns(id=_ID, src=_ID, k=sa.Integer, state=sa.String))
 
 
 def _q_unstarted_children(d: _Dialect, ids: Sequence[int]) -> sa.Select[Any]:
@@ -6024,12 +6022,19 @@ def _retry_roots(conn: Connection, job_id: int, d: _Dialect | None = None) -> li
     around it, as retry checks them), level by level, to those that have none. [job_id] when
     nothing keeps it closed. One recursive read fetches every row the levels can reach; the
     levels are then walked in memory. Plain reads: retry then locks and checks each root again."""
-    rows: dict[int, tuple[str, int | None]] = {}
+    d = d or _prepare(conn.engine)
+    d.pin_index_plans(conn)
+    state: dict[int, str] = {}
+    parent: dict[int, int] = {}  # a job's container, where that is failed or cancelled
     bad_ups: dict[int, list[int]] = {}
-    for i, st, p, u in conn.execute(_q_closed_upstream_walk(d or _prepare(conn.engine)), {"job_id": job_id}):
-        rows[i] = (st, p)
-        if u is not None:
-            bad_ups.setdefault(i, []).append(u)
+    for i, src, k, st in conn.execute(_q_closed_upstream_walk(d), {"job_id": job_id}):
+        state[i] = st
+        if k == 0:
+            bad_ups.setdefault(src, []).append(i)
+        elif k == 1:
+            parent[src] = i
+    # what a level's read of these rows returned: a container only above a failed/cancelled job
+    rows = {i: (st, parent.get(i) if st in _BAD else None) for i, st in state.items()}
     roots: list[int] = []
     info: dict[int, tuple[str, int | None]] = {}
     seen, level = {job_id}, [job_id]
