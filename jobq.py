@@ -1541,8 +1541,8 @@ def _q_dependent_counts(d: _Dialect) -> sa.Select[Any]:
 # closes, or those a retry re-opens), as the edges into them: (upstream, dependent). One
 # statement for a chain of any depth: UNION (not ALL) visits each job once, however many paths
 # reach it. `prefix` and `hint` lift the engine's recursion limit (_Dialect.recursion_prefix,
-# recursion_hint): one level per link of the longest chain; `join` keeps the tables in the
-# order written, each step's new rows first (_Dialect.ordered_join). Each job's row is tested
+# recursion_hint): one level per link of the longest chain; `step` and `into` join each row of
+# the walk to its edges, by index from the row (_edges_of_down). Each job's row is tested
 # by a scalar subquery, which no planner turns into a join: PostgreSQL, with statistics from
 # before the graph existed, read every closed job through ix_jobs_finished at each step of a
 # chain (20 s for 5,000 links).
@@ -1551,9 +1551,9 @@ _DOWNSTREAM_CTE = (
     " SELECT e.job_id FROM job_deps e WHERE e.depends_on_id IN :b_ids"
     " AND (SELECT {pick} FROM jobs j WHERE j.id = e.job_id)"
     " UNION"
-    " SELECT e.job_id FROM down {join} job_deps e ON e.depends_on_id = down.id"
+    " SELECT e.job_id FROM down {step}"
     " WHERE (SELECT {pick} FROM jobs j WHERE j.id = e.job_id))"
-    " SELECT {hint}e.depends_on_id, e.job_id FROM down {join} job_deps e ON e.job_id = down.id"
+    " SELECT {hint}e.depends_on_id, e.job_id FROM down {into}"
 )
 #: The rows each walk of _q_downstream follows: unstarted jobs (closing), or jobs closed by
 #: propagation (re-opening: closed_by set, whichever upstream or container closed them).
@@ -1561,11 +1561,20 @@ _DOWNSTREAM_PICK = {"close": "j.state IN ('waiting', 'ready')",
                     "reopen": "j.state IN ('failed', 'cancelled') AND j.closed_by IS NOT NULL"}
 
 
+def _edges_of_down(d: _Dialect, col: str) -> str:
+    """The edges (e) whose ``col`` is a row of ``down``, joined to that row: by index from each
+    row, a LATERAL read on PostgreSQL (_Dialect.lateral_edges)."""
+    if d.lateral_edges:
+        return f"CROSS JOIN LATERAL (SELECT x.depends_on_id, x.job_id FROM job_deps x WHERE x.{col} = down.id OFFSET 0) e"
+    return f"{d.ordered_join} job_deps e ON e.{col} = down.id"
+
+
 def _q_downstream(d: _Dialect, walk: str) -> sa.TextualSelect:
     """(upstream, dependent) for every edge into the jobs downstream of b_ids that ``walk``
     follows (_DOWNSTREAM_PICK)."""
     return _prebuilt(d, f"downstream:{walk}", lambda: sa.text(_DOWNSTREAM_CTE.format(
-        prefix=d.recursion_prefix, hint=d.recursion_hint, join=d.ordered_join, pick=_DOWNSTREAM_PICK[walk]))
+        prefix=d.recursion_prefix, hint=d.recursion_hint, step=_edges_of_down(d, "depends_on_id"),
+        into=_edges_of_down(d, "job_id"), pick=_DOWNSTREAM_PICK[walk]))
         .bindparams(sa.bindparam("b_ids", expanding=True)).columns(depends_on_id=_ID, job_id=_ID))
 
 
@@ -2273,6 +2282,11 @@ class _Dialect:
     #: a recursive CTE's step MySQL joined every unstarted job to the step's new rows by hash,
     #: not the new rows to their edges by index: 0.8 s against 15 ms for a 1,000-job fan-out.
     ordered_join: str = "JOIN"
+    #: Join a recursive walk's rows to their edges with LATERAL (PostgreSQL). Before autovacuum
+    #: first analyses job_deps the planner guesses thousands of edges per job, and scanned all
+    #: of job_deps at every step of the walk instead of looking up each row's few: 32 s to fail
+    #: the head of a 2,000-job chain beside 20,000 other jobs, against 15 ms this way.
+    lateral_edges: bool = False
     #: Each level of a recursive CTE costs about 0.25 ms (MySQL/MariaDB, 16 ms for a window of
     #: 64 groups): the claim's group scan first reads the next few hundred ready-index entries
     #: (_q_ready_groups_ranged_read) and recurses only past groups too big for that read.
@@ -2511,7 +2525,7 @@ def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
                         on_conflict=_pg.insert, key_share_locks=True, lateral_arrays=True, scan_reads_window=True,
                         now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
                         # serialization failure, deadlock, lock_not_available
-                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True, span_first=True,
+                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True, span_first=True, lateral_edges=True,
                         schema_lock=(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None))
     if family in ("mysql", "mariadb"):
         # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the

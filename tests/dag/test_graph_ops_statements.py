@@ -11,6 +11,7 @@ up, and a retry that re-opens exactly what the failure closed."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
+from dbs import only
 
 jobs = jobq.Job.__table__
 _heads = itertools.count()
@@ -168,3 +170,51 @@ def test_containers_closed_by_an_upstream_roll_up_and_close_their_dependents(eng
     with engine.connect() as conn:
         box = conn.execute(sa.select(jobs.c.pending_children, jobs.c.failed_children).where(jobs.c.id == ids["box"])).one()
     assert tuple(box) == (2, 0)
+
+
+
+# ---- PostgreSQL before its first ANALYZE of job_deps ------------------------------------------
+
+def _edges_read(engine: sa.Engine, d: jobq._Dialect, head: int) -> int:
+    """Rows of job_deps the close walk down from ``head`` reads (EXPLAIN ANALYZE: rows times
+    loops of every node that reads job_deps), under the pinned plans the walk runs with."""
+    walk = sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + jobq._q_downstream(d, "close").element.text)
+
+    def read(node: dict) -> int:
+        own = node["Actual Rows"] * node["Actual Loops"] if node.get("Relation Name") == "job_deps" else 0
+        return own + sum(read(n) for n in node.get("Plans", ()))
+
+    with engine.begin() as conn:
+        conn.execute(jobq._Q_PIN_PLANS)
+        (plan,) = conn.execute(walk.bindparams(sa.bindparam("b_ids", expanding=True)), {"b_ids": [head]}).scalar_one()
+    return read(plan["Plan"])
+
+
+@only("postgresql")
+def test_the_walk_reads_each_jobs_edges_even_before_job_deps_is_analysed(engine: sa.Engine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before autovacuum first analyses job_deps, PostgreSQL guessed thousands of edges per job
+    and read all of job_deps at every step of the walk (32 s to fail the head of a 2,000-job
+    chain beside 20,000 other jobs). Each step must look up its own rows' edges: the walk of
+    a 300-job chain reads about 600 edges (down, then into each job), not 300 x 20,000. Tables
+    made afresh with autovacuum off, so no statistics exist; the broken variant (the plain
+    join) must read past the bound."""
+    n = 300
+    jobq.Base.metadata.drop_all(engine)
+    jobq.create_schema(engine)
+    try:
+        with engine.begin() as conn:
+            for table in ("jobs", "job_deps"):
+                conn.exec_driver_sql(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+        for _ in range(10):
+            jobq.submit(engine, fanout(2000, "other"))
+        head = jobq.submit(engine, chain(n, "head"))["0"]
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT reltuples FROM pg_class WHERE relname = 'job_deps'").scalar_one() < 0
+        d = jobq._prepare(engine)
+        assert _edges_read(engine, d, head) <= 3 * n
+        monkeypatch.setattr(jobq, "_STATEMENTS", {})  # the plain join's statement, built afresh
+        assert _edges_read(engine, dataclasses.replace(d, lateral_edges=False), head) > 10 * n
+    finally:
+        jobq.Base.metadata.drop_all(engine)
+        jobq.create_schema(engine)
