@@ -5,12 +5,14 @@ harness runs in claimer processes and is owned with the race suite.)"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 import jobq
@@ -142,3 +144,30 @@ def expire_leases(engine: sa.Engine, *ids: int) -> None:
         if ids:
             stmt = stmt.where(jobs.c.id.in_(ids))
         conn.execute(stmt.values(lease_expires=past))
+
+
+def cli(url: str, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``jobq --url url args...`` in this process: (exit code, stdout, stderr)."""
+    code = jobq.main(["--url", url, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str) -> bool:
+    """The CLI's refusal: one ``jobq: ...`` line, no traceback."""
+    return err.startswith("jobq: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@contextlib.contextmanager
+def counted(engine: sa.Engine) -> Iterator[list[str]]:
+    """The SQL statements the engine sends while the block runs."""
+    seen: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", note)

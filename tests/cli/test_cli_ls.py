@@ -9,16 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-
-
-def cli(url: str, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = jobq.main(["--url", url, *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(err: str) -> bool:
-    return err.startswith("jobq: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+from helpers import cli, one_line_error
 
 
 def listed(out: str) -> set[int]:

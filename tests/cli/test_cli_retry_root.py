@@ -10,12 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-
-
-def cli(url: str, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = jobq.main(["--url", url, *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+from helpers import cli
 
 
 def test_why_names_the_root_and_retry_root_reopens_the_chain(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,10 +10,9 @@ up, and a retry that re-opens exactly what the failure closed."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
+from helpers import counted
 
 jobs = jobq.Job.__table__
 _heads = itertools.count()
@@ -35,21 +35,6 @@ def chain(n: int, head: str) -> list[dict]:
 def fanout(n: int, head: str) -> list[dict]:
     return [{"key": "0", "type": head, "max_attempts": 1}] + [
         {"key": str(i), "type": "t", "depends_on": ["0"]} for i in range(1, n)]
-
-
-@contextlib.contextmanager
-def counted(engine: sa.Engine) -> Iterator[list[str]]:
-    """The SQL statements the engine sends while the block runs."""
-    seen: list[str] = []
-
-    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        seen.append(statement)
-
-    sa.event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield seen
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", note)
 
 
 def fail_head(engine: sa.Engine, head_type: str) -> int:

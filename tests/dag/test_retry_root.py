@@ -4,15 +4,13 @@ user told "jobq retry N" was refused ("retry that one first") one level at a tim
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 import jobq
+from helpers import counted
 
 _types = itertools.count()
 
@@ -31,21 +29,6 @@ def failed(engine: sa.Engine, job_id: int | None = None) -> int:
 
 def states(engine: sa.Engine, *ids: int) -> list[str]:
     return [jobq.get(engine, i).state for i in ids]  # type: ignore[union-attr]
-
-
-@contextlib.contextmanager
-def counted(engine: sa.Engine) -> Iterator[list[str]]:
-    """The SQL statements the engine sends while the block runs."""
-    seen: list[str] = []
-
-    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        seen.append(statement)
-
-    sa.event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield seen
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", note)
 
 
 def closed_chain_costs(engine: sa.Engine, n: int) -> tuple[int, int]:
