@@ -205,9 +205,11 @@ def test_the_check_catches_an_insert_that_does_not_look_again_when_its_key_was_t
 
 
 def _spawner(ctx: jobq.JobContext) -> dict[str, Any]:
-    """ctx.enqueue of the key; then a job depending on whatever id it got."""
+    """ctx.enqueue of the key; then a job depending on whatever id it got. The keyed job is due
+    only later: run to done before the outsider's enqueue (on SQLite the outsider is not waited
+    for), it would free the key and the outsider would rightly make a second job."""
     try:
-        got = ctx.enqueue("leaf", unique_key="k")
+        got = ctx.enqueue("leaf", unique_key="k", run_after=dt.timedelta(hours=1))
     except Exception as exc:
         return {"raised": repr(exc)}
     return {"got": got, "z": ctx.enqueue("leaf", depends_on=[got])}
