@@ -9,6 +9,7 @@
     nox -s cluster-postgres     worker hosts (network namespaces), partitions, a failover (root)
     nox -s lint                 ruff and mypy
     nox -s package              build the wheel and check it installed (license, py.typed, -m jobq)
+    nox -s floors               the suite on SQLite and PostgreSQL with the lowest versions jobq declares
 
 No session invents a server: an engine is tested only when JOBQ_TEST_POSTGRES_URL,
 JOBQ_TEST_MYSQL_URL or JOBQ_TEST_MARIADB_URL names a database the suite may wipe (see
@@ -24,8 +25,10 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import tomllib
 
 import nox
+from packaging.requirements import Requirement
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
@@ -197,6 +200,63 @@ def package(session: nox.Session) -> None:
     # mypy reads the scratch venv's site-packages: an untyped jobq is an import-untyped error.
     session.run("mypy", "--python-executable", py, "--no-incremental", str(check))
     session.run(py, str(check), external=True, env={"PYTHONPATH": ""})
+
+
+# The conformance suite but its fair-share runs (policy over the same claim statements, about a
+# minute of its five on two loaded cores); with MariaDB, the sync and async drivers' part.
+FLOORS_SUITE = [p for p in CONFORMANCE if not p.startswith("tests/fairness/")]
+FLOORS_MARIADB = ["tests/core/test_async.py", "tests/core/test_lifecycle.py"]
+# The extras whose drivers a user installs with jobq: their floors (and SQLAlchemy's) are what
+# `floors` installs. mysqlclient is left out: it builds from source against the client headers.
+FLOOR_EXTRAS = ("postgres", "mysql", "asyncio")
+
+
+def _floor_pins() -> list[str]:
+    """`name[extras]==X` for every `>=X` that pyproject declares for jobq and FLOOR_EXTRAS."""
+    project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + [r for e in FLOOR_EXTRAS for r in project["optional-dependencies"][e]]
+    floors: dict[str, tuple[str, str, set[str]]] = {}  # SQLAlchemy comes twice, with and without [asyncio]
+    for req in map(Requirement, reqs):
+        if req.name == project["name"]:
+            continue
+        floor = [s.version for s in req.specifier if s.operator == ">="]
+        if len(floor) != 1:
+            raise ValueError(f"pyproject: {req} declares no single >= floor")
+        name, seen, extras = floors.setdefault(req.name.lower(), (req.name, floor[0], set()))
+        if seen != floor[0]:
+            raise ValueError(f"pyproject: {name} declares two floors, {seen} and {floor[0]}")
+        extras |= req.extras
+    return sorted(f"{name}{'[' + ','.join(sorted(ex)) + ']' if ex else ''}=={v}" for name, v, ex in floors.values())
+
+
+CHECK_FLOORS = """\
+import importlib.metadata, sys
+from packaging.version import Version
+for pin in sys.argv[1:]:
+    name, version = pin.split("==")
+    got = importlib.metadata.version(name.split("[")[0])
+    assert Version(got) == Version(version), f"{name} {got} is installed, not its floor {version}"
+print("floors installed:", *sys.argv[1:])
+"""
+
+
+@nox.session(default=False)
+def floors(session: nox.Session) -> None:
+    """The conformance suite on SQLite and PostgreSQL with the lowest versions pyproject declares
+    (SQLAlchemy, psycopg, aiosqlite, ...); PyMySQL and aiomysql on MariaDB when JOBQ_TEST_MARIADB_URL names it."""
+    # Its own virtualenv: the floors pinned exactly, the test tools at their newest.
+    pins = _floor_pins()
+    session.install("-e", ".[test]", *pins)
+    session.run("python", "-c", CHECK_FLOORS, *pins)
+    dialects = "sqlite,postgresql"
+    env = {"JOBQ_TEST_DIALECTS": dialects, "JOBQ_REQUIRE_DIALECTS": dialects}
+    session.run("pytest", *FLOORS_SUITE, *_workers(session), *session.posargs, env=env)
+    if os.environ.get(URL_VAR["mariadb"]):  # PyMySQL and aiomysql: a small part of the suite
+        env = {"JOBQ_TEST_DIALECTS": "mariadb", "JOBQ_REQUIRE_DIALECTS": "mariadb"}
+        session.run("pytest", *FLOORS_MARIADB, *session.posargs, env=env)
+    else:
+        session.run("python", "-c", "import pymysql, aiomysql, jobq")
+        session.log(f"PyMySQL and aiomysql only imported: {URL_VAR['mariadb']} names no MariaDB server")
 
 
 @nox.session(default=False)
