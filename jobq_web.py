@@ -40,6 +40,10 @@ if TYPE_CHECKING or not __package__:
 else:  # vendored inside a package: the jobq.py next to this file
     jobq = importlib.import_module(f"{__package__}.jobq")
 
+#: jobq's internals the dashboard shares with the command line (its builders and formatting):
+#: the package reads any module's name as ``jobq._name``, as the single file has them at top level.
+_jq: Any = jobq
+
 __all__ = ["Dashboard", "app", "serve"]
 
 logger = logging.getLogger("jobq.web")
@@ -83,7 +87,7 @@ _REASONS = {200: "OK", 303: "See Other", 400: "Bad Request", 401: "Unauthorized"
 
 
 def _db_now(engine: sa.Engine) -> _dt.datetime:
-    d = jobq._prepare(engine)
+    d = _jq._prepare(engine)
     with engine.connect() as conn:
         now: _dt.datetime = d.db_now(conn)
         conn.rollback()
@@ -113,9 +117,9 @@ def _group_rows(engine: sa.Engine, st: Mapping[str, Any]) -> list[dict[str, Any]
     policies = _group_policies(engine)
     names = set(st["ready_by_group"]) | set(st["in_flight"]) | set(policies)
     with engine.connect() as conn:
-        starts = {g: int(n) for g, n in conn.execute(jobq._q_starts_by_group(now - _dt.timedelta(hours=1)))}
+        starts = {g: int(n) for g, n in conn.execute(_jq._q_starts_by_group(now - _dt.timedelta(hours=1)))}
         names |= set(starts)
-        weights = {g: int(w or 1) for g, w in conn.execute(jobq._q_due_weights(now))}
+        weights = {g: int(w or 1) for g, w in conn.execute(_jq._q_due_weights(now))}
         conn.rollback()
     rows = []
     for g in sorted(names):
@@ -149,9 +153,9 @@ def overview(engine: sa.Engine) -> dict[str, Any]:
     since = now - _CHART_STEP * _CHART_SPANS
     chart = {s: [0] * _CHART_SPANS for s in jobq.TERMINAL}
     with engine.connect() as conn:
-        for state, *counts in conn.execute(jobq._q_finished_buckets(since, _CHART_STEP, _CHART_SPANS)):
+        for state, *counts in conn.execute(_jq._q_finished_buckets(since, _CHART_STEP, _CHART_SPANS)):
             chart[state] = [int(c or 0) for c in counts]  # MySQL sums to a Decimal
-        holders = [{"worker": o, "group": g, "in_flight": int(n)} for o, g, n in conn.execute(jobq._q_holders())]
+        holders = [{"worker": o, "group": g, "in_flight": int(n)} for o, g, n in conn.execute(_jq._q_holders())]
         conn.rollback()
     st = dict(st)
     st["groups"] = _group_rows(engine, st)
@@ -164,9 +168,9 @@ def overview(engine: sa.Engine) -> dict[str, Any]:
 def job_list(engine: sa.Engine, *, state: str | None, type: str | None, group: str | None,
              since: _dt.datetime | None, until: _dt.datetime | None, before: int | None, limit: int) -> dict[str, Any]:
     """One page of jobs, newest first, and the id to ask for the next page (or None)."""
-    jobq._prepare(engine)
+    _jq._prepare(engine)
     with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(jobq._q_list_jobs(
+        rows = [dict(r._mapping) for r in conn.execute(_jq._q_list_jobs(
             state=state, type=type, group=group, since=since, until=until, before=before, limit=limit + 1))]
         conn.rollback()
     more = len(rows) > limit
@@ -177,7 +181,7 @@ def job_list(engine: sa.Engine, *, state: str | None, type: str | None, group: s
 def _retry_roots(conn: sa.Connection, job_id: int, state: str) -> list[int]:
     """The failed or cancelled jobs that keep a closed job closed (retry them, or retry it from
     its root); empty when retrying the job itself is what to do."""
-    return [r for r in jobq._retry_roots(conn, job_id) if r != job_id] if state in jobq._BAD else []
+    return [r for r in _jq._retry_roots(conn, job_id) if r != job_id] if state in _jq._BAD else []
 
 
 def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, Any] | None:
@@ -187,12 +191,12 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
         return None
     line = jobq.why(engine, job_id)
     with engine.connect() as conn:
-        dependents = list(conn.execute(jobq._q_dependent_ids(job_id)).scalars())
-        children = list(conn.execute(jobq._q_child_ids(job_id)).scalars())
-        nodes, edges = jobq._graph_data(conn, job_id, limit=_GRAPH_LIMIT)
+        dependents = list(conn.execute(_jq._q_dependent_ids(job_id)).scalars())
+        children = list(conn.execute(_jq._q_child_ids(job_id)).scalars())
+        nodes, edges = _jq._graph_data(conn, job_id, limit=_GRAPH_LIMIT)
         roots = _retry_roots(conn, job_id, info.state)
         if info.parent_id is not None and all(n.id != info.parent_id for n in nodes):
-            nodes = sorted([*nodes, *conn.execute(jobq._q_graph_nodes([info.parent_id]))], key=lambda r: r.id)
+            nodes = sorted([*nodes, *conn.execute(_jq._q_graph_nodes([info.parent_id]))], key=lambda r: r.id)
         conn.rollback()
     data = dataclasses.asdict(info)
     data["depends_on"] = list(info.depends_on)
@@ -231,12 +235,12 @@ def _e(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, _dt.datetime):
-        return html.escape(jobq._iso(value) or "")
+        return html.escape(_jq._iso(value) or "")
     return html.escape(str(value), quote=True)
 
 
 def _json_text(value: Any) -> str:
-    return json.dumps(value, default=jobq._json_default, sort_keys=True, indent=2)
+    return json.dumps(value, default=_jq._json_default, sort_keys=True, indent=2)
 
 
 def _state(state: str) -> str:
@@ -280,7 +284,7 @@ def _chart_svg(chart: Mapping[str, Any]) -> str:
             if v:
                 bh = max(1.0, (h - 10) * v / top)
                 y -= bh
-                parts.append(f'<rect x="{x}" y="{y:.1f}" width="{bar}" height="{bh:.1f}" fill="{jobq._COLOURS[s]}">'
+                parts.append(f'<rect x="{x}" y="{y:.1f}" width="{bar}" height="{bh:.1f}" fill="{_jq._COLOURS[s]}">'
                              f'<title>{_e(s)}: {v}</title></rect>')
         label = f"-{(n - i) * 5}m" if (n - i) % 3 == 0 else ""
         parts.append(f'<text x="{x}" y="{h + 14}" class="axis">{label}</text>')
@@ -336,7 +340,7 @@ def _dag_svg(nodes: Sequence[Mapping[str, Any]], edges: Sequence[Sequence[int]],
         dash = ' stroke-dasharray="6 3"' if n["is_container"] else ""
         out.append(f'<a href="{_e(base)}/jobs/{n["id"]}" class="node" data-state="{_e(n["state"])}">'
                    f'<title>{kind} {n["id"]} {_e(n["type"])}: {_e(n["state"])}</title>'
-                   f'<rect x="{x}" y="{y}" width="{bw}" height="{bh}" rx="6" fill="{jobq._COLOURS.get(n["state"], "#eee")}"'
+                   f'<rect x="{x}" y="{y}" width="{bw}" height="{bh}" rx="6" fill="{_jq._COLOURS.get(n["state"], "#eee")}"'
                    f'{stroke}{dash}/>'
                    f'<text x="{x + 8}" y="{y + 18}" class="n1">{n["id"]} {_e(label)}</text>'
                    f'<text x="{x + 8}" y="{y + 35}" class="n2">{_e(n["state"])}</text></a>')
@@ -500,7 +504,7 @@ class Dashboard:
         self.token = token
         self.hide_args = hide_args
         self.title = title
-        self._secrets = jobq._url_secrets(engine.url.render_as_string(hide_password=False))
+        self._secrets = _jq._url_secrets(engine.url.render_as_string(hide_password=False))
 
     # ---- auth: a session cookie (HMAC of the token) plus a CSRF field, or a bearer token
 
@@ -571,7 +575,7 @@ class Dashboard:
             status, headers, body = self._error(req, exc.status, exc.message)
         except (sa.exc.SQLAlchemyError, jobq.JobqError, OSError) as exc:
             logger.warning("jobq dashboard: database error on %s %r: %s: %s", req.method, req.path,
-                           type(exc).__name__, self._scrub(jobq._one_line(getattr(exc, "orig", None) or exc)))
+                           type(exc).__name__, self._scrub(_jq._one_line(getattr(exc, "orig", None) or exc)))
             status, headers, body = self._error(
                 req, 503, f"the database did not answer ({type(exc).__name__}); the server log has the details")
         except Exception as exc:  # a bug: one line to the page, the traceback to the log only
@@ -580,7 +584,7 @@ class Dashboard:
         return status, headers, body
 
     def _scrub(self, text: str) -> str:
-        return jobq._scrub(text, self._secrets)
+        return _jq._scrub(text, self._secrets)
 
     def _route(self, req: _Request) -> _Response:
         parts = [p for p in req.path.split("/") if p]
@@ -658,11 +662,11 @@ class Dashboard:
             outcome: Any = (jobq.retry(self.engine, job_id, from_root=req.arg("root") == "1") if action == "retry"
                             else jobq.cancel(self.engine, job_id))
         except jobq.InvalidJob as exc:
-            raise _HttpError(409, jobq._one_line(exc)) from None
+            raise _HttpError(409, _jq._one_line(exc)) from None
         if action == "retry":
             message = f"re-opened {', '.join(map(str, outcome))}"
-        elif outcome in (*jobq._LIVE, "held"):  # asked to stop, or cancelled at its release: not cancelled yet
-            message = f"job {job_id}: {jobq._cancel_outcome(outcome)}"
+        elif outcome in (*_jq._LIVE, "held"):  # asked to stop, or cancelled at its release: not cancelled yet
+            message = f"job {job_id}: {_jq._cancel_outcome(outcome)}"
         elif outcome in ("done", "failed"):
             raise _HttpError(409, f"job {job_id} is {outcome} already: there is nothing to cancel")
         else:
@@ -677,7 +681,7 @@ class Dashboard:
         try:
             jobq.set_group(self.engine, group, paused=action == "pause")
         except (jobq.InvalidJob, jobq.ConfigError) as exc:
-            raise _HttpError(400, jobq._one_line(exc)) from None
+            raise _HttpError(400, _jq._one_line(exc)) from None
         message = f"group {group}: {action}d"
         if req.wants_json:
             return self._json({"group": group, "action": action, "message": message})
@@ -708,7 +712,7 @@ class Dashboard:
         try:
             policy = jobq.get_group(self.engine, group)
         except jobq.InvalidJob as exc:
-            raise _HttpError(400, jobq._one_line(exc)) from None
+            raise _HttpError(400, _jq._one_line(exc)) from None
         b = _e(req.base)
         paused = bool(policy and policy.paused)
         query = _e(urllib.parse.urlencode({"group": group}))
@@ -785,7 +789,7 @@ class Dashboard:
     # ---- responses
 
     def _json(self, data: Any, status: int = 200) -> _Response:
-        body = json.dumps(data, default=jobq._json_default, sort_keys=True).encode()
+        body = json.dumps(data, default=_jq._json_default, sort_keys=True).encode()
         return status, [("Content-Type", "application/json")], body
 
     def _error(self, req: _Request, status: int, message: str) -> _Response:
@@ -835,7 +839,7 @@ class Dashboard:
         now = d["now"]
         oldest = d["oldest_ready"]
         facts = [
-            ("oldest due ready job waiting", jobq._span((now - oldest).total_seconds()) if oldest else "-"),
+            ("oldest due ready job waiting", _jq._span((now - oldest).total_seconds()) if oldest else "-"),
             ("ready: due / scheduled", f"{d['ready_due']} / {d['ready_scheduled']}"),
             ("next scheduled", _e(d["next_scheduled"]) or "-"),
             ("expired leases awaiting reclaim", str(d["expired_leases"])),
@@ -1012,9 +1016,9 @@ def _time_arg(req: _Request, name: str, now: _dt.datetime | None) -> _dt.datetim
     if v is None or now is None:
         return None
     try:
-        if v[-1:] in jobq._UNITS and v[:-1].replace(".", "", 1).isdigit():
-            return now - jobq._duration(v)
-        return jobq._run_after(v).replace(tzinfo=None)
+        if v[-1:] in _jq._UNITS and v[:-1].replace(".", "", 1).isdigit():
+            return now - _jq._duration(v)
+        return _jq._run_after(v).replace(tzinfo=None)
     except Exception:
         raise _HttpError(400, f"{name} must be a duration like 30m, 12h or 7d, or an ISO 8601 time like "
                               f"2026-12-01T09:00:00Z, got {v[:40]!r}") from None
@@ -1044,7 +1048,7 @@ def _cancel_badge(state: str, cancel_requested: bool) -> str:
 def _last_line(error: str | None) -> str:
     """The line of an error that says what went wrong (a traceback's last), for tables."""
     lines = [ln.strip() for ln in (error or "").splitlines() if ln.strip()]
-    return jobq._one_line(lines[-1]) if lines else ""
+    return _jq._one_line(lines[-1]) if lines else ""
 
 
 def _redirect(location: str) -> _Response:

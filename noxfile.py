@@ -10,6 +10,7 @@
     nox -s lint                 ruff and mypy
     nox -s package              build the wheel and check it installed (license, py.typed, -m jobq)
     nox -s floors               the suite on SQLite and PostgreSQL with the lowest versions jobq declares
+    nox -s single               single/jobq.py in sync with the package, and the SQLite suite run on it
 
 No session invents a server: an engine is tested only when JOBQ_TEST_POSTGRES_URL,
 JOBQ_TEST_MYSQL_URL or JOBQ_TEST_MARIADB_URL names a database the suite may wipe (see
@@ -260,8 +261,18 @@ def floors(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def single(session: nox.Session) -> None:
+    """The generated single file: in sync with jobq/ (else regenerate it), then the SQLite
+    conformance suite and the vendoring tests run against it instead of the package."""
+    session.run("python", "packaging/single_file.py", "--check")
+    session.install(*TEST_DEPS)
+    session.run("pytest", *CONFORMANCE, *_workers(session), *session.posargs,
+                env={**_env("sqlite"), "JOBQ_TEST_SINGLE_FILE": "1"})
+
+
+@nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """ruff check on everything in the repository, mypy on the module."""
+    """ruff check on everything in the repository, mypy on the package and the dashboard."""
     session.install("ruff", "mypy", "SQLAlchemy>=2.0")
-    session.run("ruff", "check", "jobq.py", "jobq_web.py", "tests", "bench", "scenarios", "docs", "noxfile.py")
-    session.run("mypy", "jobq.py", "jobq_web.py")
+    session.run("ruff", "check", "jobq", "jobq_web.py", "packaging", "tests", "bench", "scenarios", "docs", "noxfile.py")
+    session.run("mypy", "jobq", "jobq_web.py", "packaging/single_file.py")

@@ -1,6 +1,7 @@
-"""jobq benchmark, "ab" mode: the working tree's jobq.py against a git revision's, alternating.
+"""jobq benchmark, "ab" mode: the working tree's jobq against a git revision's, alternating.
 
-Loads ``jobq.py`` as it is in the working tree and as it was at ``--rev`` (``git show``) side by
+Loads jobq as it is in the working tree (the package, jobq/) and as it was at ``--rev`` (its
+single file: ``single/jobq.py``, or ``jobq.py`` before the package, by ``git show``) side by
 side in one process, and alternates their drains of the same no-op jobs (one ``Worker``,
 ``--concurrency`` slots, ``run_until_idle``), the order flipping each round, so the machine's
 drift falls on both alike. Prints each side's median jobs/s and client CPU per job (this
@@ -8,7 +9,7 @@ process's user + system time over the drain, seeding excluded) and new/old. What
 bought, where bench.py's drains compare contenders.
 
 With ``--procs N`` each drain is N worker processes instead (spawned, each loading its side's
-jobq.py; ``--concurrency`` slots each under a cap of N times that, as bench.py's drains), for a
+single file, the working tree's single/jobq.py being generated from its package; ``--concurrency`` slots each under a cap of N times that, as bench.py's drains), for a
 change that acts across workers (the claim lock's hold, say); client CPU is then the workers'.
 On a machine that drifts by a third between runs, only such paired runs separate a 10% change
 from noise.
@@ -103,20 +104,25 @@ def _drain_procs(jobq: ModuleType, path: str, url: str, n: int, conc: int, procs
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="sqlite:////dev/shm/jobq_ab.db")
-    ap.add_argument("--rev", default="HEAD", help="the git revision whose jobq.py is 'old'")
+    ap.add_argument("--rev", default="HEAD", help="the git revision whose jobq is 'old'")
     ap.add_argument("--jobs", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--procs", type=int, default=0,
                     help="worker processes (each --concurrency slots, as bench.py's drains); 0: one Worker in this process")
     args = ap.parse_args()
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:jobq.py"], capture_output=True, text=True,
-                            check=True).stdout
+    for old in ("single/jobq.py", "jobq.py"):  # jobq.py: a revision from before the package
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:{old}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            source = shown.stdout
+            break
+    else:
+        raise SystemExit(f"{args.rev} has neither single/jobq.py nor jobq.py")
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "jobq_old.py"
         path.write_text(source)
         sides = {"old": _load("jobq_old", path), "new": B.jobq}
-        paths = {"old": str(path), "new": str(ROOT / "jobq.py")}
+        paths = {"old": str(path), "new": str(ROOT / "single" / "jobq.py")}
         got: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
         for i in range(args.rounds):
             for name in ("old", "new") if i % 2 == 0 else ("new", "old"):

@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per graph (medians)")
     ns = ap.parse_args()
     urls = ns.url or [f"sqlite:///{tempfile.mkdtemp(prefix='jobq-bench-')}/graph.db"]
-    print(f"jobq.py {jobq.__file__}; medians of {ns.rounds} rounds; ratio = op / submit, per job (target <= 3)")
+    print(f"jobq {jobq.__file__}; medians of {ns.rounds} rounds; ratio = op / submit, per job (target <= 3)")
     for url in urls:
         eng = sa.create_engine(url)
         name = f"{eng.dialect.name} {'.'.join(map(str, eng.dialect.server_version_info or ()))}".strip()

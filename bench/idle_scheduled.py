@@ -122,7 +122,7 @@ def main() -> None:
         t0 = time.perf_counter()
         seed_scheduled(full, ns.jobs, ns.groups)
         print(f"{full.dialect.name} {full.dialect.server_version_info or ''}: seeded {ns.jobs:,} jobs a day ahead "
-              f"over {ns.groups:,} groups in {time.perf_counter() - t0:.1f} s; jobq.py {jobq.__file__}", flush=True)
+              f"over {ns.groups:,} groups in {time.perf_counter() - t0:.1f} s; jobq {jobq.__file__}", flush=True)
         t_full, t_empty = idle_ticks(full, empty, ns.rounds)
         print(f"idle tick, {ns.jobs:,} scheduled: {t_full * 1000:.3f} ms; empty table: {t_empty * 1000:.3f} ms; "
               f"ratio {t_full / t_empty:.2f} (target <= 1.5; medians of {ns.rounds}, alternating)")

@@ -34,7 +34,7 @@ Contenders, per engine:
   polling sleep).
 
 The peers are the `bench` extra (`pip install -e .[bench]`); a peer that is not installed is
-skipped with a line saying so. jobq.py never imports them.
+skipped with a line saying so. jobq never imports them.
 
 Client CPU is the worker processes' own CPU time (user + system) divided by the jobs drained: the
 figure that says how much of a core the queue library costs per job, apart from the server.

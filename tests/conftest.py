@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ import sqlalchemy as sa
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+if os.environ.get("JOBQ_TEST_SINGLE_FILE"):  # the generated single/jobq.py instead of the package
+    sys.path.insert(0, str(ROOT / "single"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import jobq  # noqa: E402
@@ -26,8 +29,6 @@ from dbs import (  # noqa: E402
 )
 
 try:  # Hypothesis profiles: deterministic in CI, heavier for soak runs (HYPOTHESIS_PROFILE=soak)
-    import os
-
     from hypothesis import HealthCheck, settings
 
     settings.register_profile("ci", derandomize=True, max_examples=300, deadline=None,

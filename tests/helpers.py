@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import os
+import pathlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,6 +19,15 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: The command line as a user runs it, in a process of its own: ``python -m jobq`` on this
+#: checkout's package, or ``python jobq.py`` on the generated single file when the suite runs
+#: against it (JOBQ_TEST_SINGLE_FILE).
+JOBQ_CLI: list[str] = ([sys.executable, str(ROOT / "single" / "jobq.py")] if os.environ.get("JOBQ_TEST_SINGLE_FILE") else
+                       [sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(ROOT)!r}); "
+                        "runpy.run_module('jobq', run_name='__main__', alter_sys=True)"])
 
 jobs = jobq.Job.__table__
 

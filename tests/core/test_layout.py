@@ -1,89 +1,59 @@
-"""jobq.py's layout rules, as a test: STYLE.md's "SQL only in its section" made to bite.
+"""The package's layout rules, as tests: STYLE.md's "SQL only in its modules", "engine names only
+in the drivers" and "imports in one direction" made to bite.
 
-An AST walk over the banner sections of ``jobq.py``:
+An AST walk over the modules of ``jobq/``:
 
 * a statement (``sa.select/insert/update/delete/text/union/union_all``, ``.exec_driver_sql(``)
-  is built only in the schema, SQL statements and dialect sections;
+  is built only in the schema, SQL, fast-path, driver and migration modules;
 * the database is branched on (``dialect.name``, ``.family``, ``.is_mariadb``, ``.driver``, a
-  comparison with "postgresql", "mysql", "mariadb" or "sqlite") only in the dialect section;
-* the module imports only the standard library and SQLAlchemy at module level;
-* ``__all__`` is sorted and names only public names the module defines;
-* the sections come in STYLE.md's order.
+  comparison with "postgresql", "mysql", "mariadb" or "sqlite") only in the drivers (and the
+  fast path, which is the drivers' cursor);
+* a module imports the standard library, SQLAlchemy, and modules before it in ``_MODULES``
+  (jobq/__init__.py's import order), nothing else, at module level or inside a function
+  (annotations may name a later module's class under ``if TYPE_CHECKING:``: nothing runs);
+* ``__all__`` is sorted and names only public names the package defines;
+* every module is in ``_MODULES``, and none is longer than ``MAX_LINES``.
 
-Run it as a script for the figures: ``python tests/core/test_layout.py [path/to/jobq.py]``
-prints the violations, the counts and the largest definitions with their share of the file.
+Run it as a script for the figures: ``python tests/core/test_layout.py`` prints the violations
+and the lines per module.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-JOBQ = pathlib.Path(__file__).resolve().parents[2] / "jobq.py"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jobq"
 
-#: STYLE.md's order, by the start of each banner's title.
-SECTION_ORDER = (
-    "Logging and events",
-    "Errors",
-    "Schema",
-    "SQL statements",
-    "Dialect support",
-    "Scheduling policy",
-    "Input validation",
-    "The queue API",
-    "The worker",
-    "asyncio",
-    "Command-line interface",
-)
-SQL_SECTIONS = frozenset({"Schema", "SQL statements", "Dialect support"})
-BRANCH_SECTIONS = frozenset({"Dialect support"})
+SQL_MODULES = frozenset({"schema", "sql", "fastpath", "drivers", "migrations"})
+BRANCH_MODULES = frozenset({"drivers", "fastpath"})
 STATEMENT_BUILDERS = frozenset({"select", "insert", "update", "delete", "text", "union", "union_all"})
 ENGINE_NAMES = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
 BRANCH_ATTRS = frozenset({"family", "is_mariadb", "driver"})
+#: A module this long is more than a sitting's read: split it rather than raise this.
+MAX_LINES = 1_500
 
-#: Definitions other work in progress is rewriting (issue 13: one insert path, the worker loop,
-#: the CLI). Each still builds SQL or branches on the engine outside its section; the entry
-#: goes when its rewrite lands. Nothing new may join this list.
-PENDING: frozenset[str] = frozenset()  # every definition follows the rules now
-
-_BANNER = re.compile(r"^# ={20,}\n# (?P<title>[^\n]+)\n# ={20,}$", re.M)
+#: Imports that still run against the order (module, the later module it imports inside a
+#: function): the schema and the fast path ask the drivers for an engine's facts, and the
+#: drivers build on both. Each goes when the facts move; nothing new may join.
+LATE_IMPORTS: frozenset[tuple[str, str]] = frozenset({("schema", "drivers"), ("fastpath", "drivers")})
 
 
 @dataclass(frozen=True)
 class Violation:
-    rule: str  # "statement" | "branch" | "import" | "__all__" | "order"
-    section: str
+    rule: str  # "statement" | "branch" | "import" | "__all__" | "modules" | "size"
+    module: str
     where: str  # the top-level definition (or "module")
     line: int
     what: str
 
     def __str__(self) -> str:
-        return f"{self.rule}: line {self.line} in {self.where} ({self.section}): {self.what}"
-
-
-def sections(source: str) -> list[tuple[str, int]]:
-    """(canonical section name, first line) per banner, in file order."""
-    out = []
-    for m in _BANNER.finditer(source):
-        title = m.group("title").strip()
-        line = source.count("\n", 0, m.start()) + 1
-        name = next((s for s in SECTION_ORDER if title.startswith(s)), title)
-        out.append((name, line))
-    return out
-
-
-def _section_at(secs: list[tuple[str, int]], line: int) -> str:
-    name = "preamble"
-    for s, start in secs:
-        if start <= line:
-            name = s
-    return name
+        return f"{self.rule}: jobq/{self.module}.py:{self.line} in {self.where}: {self.what}"
 
 
 def _def_name(node: ast.stmt) -> str:
@@ -126,161 +96,183 @@ def _branches(node: ast.AST) -> Iterator[tuple[int, str]]:
                 yield n.lineno, f"comparison with {sorted(named)}"
 
 
-def check(source: str) -> list[Violation]:
-    """Every layout violation in ``source`` (a jobq.py)."""
-    tree = ast.parse(source)
-    secs = sections(source)
-    out: list[Violation] = []
-    names = [s for s, _ in secs]
-    known = [s for s in names if s in SECTION_ORDER]
-    if known != sorted(known, key=SECTION_ORDER.index) or len(set(known)) != len(known):
-        out.append(Violation("order", "module", "module", 1, f"sections {names}, expected the order {list(SECTION_ORDER)}"))
+def _imports(name: str, tree: ast.Module, order: list[str]) -> Iterator[Violation]:
     std = set(sys.stdlib_module_names) | {"__future__", "sqlalchemy"}
-    defined: set[str] = set()
-    all_names: list[str] | None = None
-    for node in tree.body:
-        section = _section_at(secs, node.lineno)
-        where = _def_name(node)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            for m in mods:
-                if m.split(".")[0] not in std:
-                    out.append(Violation("import", section, "module", node.lineno, f"imports {m}"))
-            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    rank = {m: i for i, m in enumerate(order)}
+    top = set(map(id, tree.body))
+    typing_only = {id(n) for block in tree.body if isinstance(block, ast.If) and isinstance(block.test, ast.Name)
+                   and block.test.id == "TYPE_CHECKING" for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # names for annotations only: nothing is imported at run time
             continue
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        for t in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]):
-            if isinstance(t, ast.Name):
-                defined.add(t.id)
-                if t.id == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
-                    all_names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
-        if section not in SQL_SECTIONS:
-            out += [Violation("statement", section, where, ln, w) for ln, w in _statements(node)]
-        if section not in BRANCH_SECTIONS:
-            out += [Violation("branch", section, where, ln, w) for ln, w in _branches(node)]
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            mods = [node.module or ""]
+        elif isinstance(node, ast.ImportFrom):
+            targets = [node.module] if node.module else [a.name for a in node.names]
+            for target in targets:
+                if name in ("__init__", "__main__"):
+                    continue
+                if target not in rank or rank[target] >= rank.get(name, -1):
+                    if (name, target) not in LATE_IMPORTS:
+                        yield Violation("import", name, "module", node.lineno, f"imports jobq/{target}.py, not before it")
+            continue
+        else:
+            continue
+        for m in mods:
+            if m.split(".")[0] not in std and (id(node) in top or m.split(".")[0] != "sqlalchemy"):
+                # inside a function an optional library may be imported where it is used
+                if id(node) in top:
+                    yield Violation("import", name, "module", node.lineno, f"imports {m} at module level")
+
+
+def check(modules: dict[str, str]) -> list[Violation]:
+    """Every layout violation in ``modules`` (name -> source, with ``__init__``)."""
+    out: list[Violation] = []
+    init = ast.parse(modules["__init__"])
+    order: list[str] = []
+    all_names: list[str] | None = None
+    public: set[str] = set()
+    for node in init.body:
+        if isinstance(node, ast.AnnAssign) and _def_name(node) == "_MODULES" and isinstance(node.value, ast.Tuple):
+            order = [e.id for e in node.value.elts if isinstance(e, ast.Name)]
+        if isinstance(node, ast.Assign) and _def_name(node) == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
+            all_names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            public |= {a.asname or a.name for a in node.names}
+    missing = sorted(set(modules) - {"__init__", "__main__"} - set(order))
+    if missing or len(set(order)) != len(order):
+        out.append(Violation("modules", "__init__", "_MODULES", 1, f"not in _MODULES once: {missing or order}"))
+    for name, source in modules.items():
+        tree = ast.parse(source)
+        out += list(_imports(name, tree, order))
+        lines = source.count("\n")
+        if lines > MAX_LINES:
+            out.append(Violation("size", name, "module", lines, f"{lines} lines, over {MAX_LINES}"))
+        for node in tree.body:
+            where = _def_name(node)
+            if name not in SQL_MODULES:
+                out += [Violation("statement", name, where, ln, w) for ln, w in _statements(node)]
+            if name not in BRANCH_MODULES:
+                out += [Violation("branch", name, where, ln, w) for ln, w in _branches(node)]
     if all_names is None:
-        out.append(Violation("__all__", "preamble", "module", 1, "no literal __all__"))
+        out.append(Violation("__all__", "__init__", "module", 1, "no literal __all__"))
     else:
         if all_names != sorted(all_names):
-            out.append(Violation("__all__", "preamble", "__all__", 1, "not sorted"))
+            out.append(Violation("__all__", "__init__", "__all__", 1, "not sorted"))
         for n in all_names:
             if n.startswith("_"):
-                out.append(Violation("__all__", "preamble", "__all__", 1, f"names the internal {n}"))
-            elif n not in defined:
-                out.append(Violation("__all__", "preamble", "__all__", 1, f"names {n}, which is not defined"))
+                out.append(Violation("__all__", "__init__", "__all__", 1, f"names the internal {n}"))
+            elif n not in public:
+                out.append(Violation("__all__", "__init__", "__all__", 1, f"names {n}, which is not defined"))
     return out
 
 
-def largest(source: str, top: int = 5) -> list[tuple[str, int, float]]:
-    """The largest top-level definitions: (name, lines, share of the file)."""
-    tree = ast.parse(source)
-    total = source.count("\n") + 1
-    sizes = [(n.name, n.end_lineno - n.lineno + 1) for n in tree.body  # type: ignore[operator]
-             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-    sizes.sort(key=lambda x: -x[1])
-    return [(name, n, n / total) for name, n in sizes[:top]]
+def package() -> dict[str, str]:
+    return {p.stem: p.read_text() for p in sorted(PACKAGE.glob("*.py"))}
 
 
-def report(source: str) -> str:
-    vs = check(source)
-    lines = [str(v) for v in vs]
-    count = {r: sum(1 for v in vs if v.rule == r) for r in ("statement", "branch", "import", "__all__", "order")}
-    lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in count.items()))
-    lines.append("flagged definitions: " + ", ".join(sorted({v.where for v in vs if v.rule in ("statement", "branch")})))
-    lines.append("largest: " + ", ".join(f"{n} {k} lines ({s:.1%})" for n, k, s in largest(source)))
+def report(modules: dict[str, str]) -> str:
+    lines = [str(v) for v in check(modules)]
+    lines += [f"{name:>12}.py {src.count(chr(10)):6} lines" for name, src in modules.items()]
+    lines.append(f"{'total':>15} {sum(src.count(chr(10)) for src in modules.values()):6} lines")
     return "\n".join(lines)
 
 
-# ---- the rules on jobq.py ---------------------------------------------------------------------
+# ---- the rules on jobq/ -----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def violations() -> list[Violation]:
-    return check(JOBQ.read_text())
+    return check(package())
 
 
 @pytest.mark.parametrize("rule", ["statement", "branch"])
-def test_sql_and_engine_branches_stay_in_their_sections(violations: list[Violation], rule: str) -> None:
-    """Statements are built only in the schema, SQL and dialect sections, and the engine is
-    branched on only in the dialect section. A bug shows as a line naming the definition that
-    builds a statement (or tests an engine name) in the wrong place."""
-    bad = [str(v) for v in violations if v.rule == rule and v.where not in PENDING]
-    assert not bad, "\n".join(bad)
-
-
-def test_pending_list_only_shrinks(violations: list[Violation]) -> None:
-    """PENDING names only definitions that still break a rule: an entry whose rewrite has
-    landed must go, so the list cannot hide a new offender under an old name."""
-    flagged = {v.where for v in violations if v.rule in ("statement", "branch")}
-    stale = sorted(PENDING - flagged - {n for n in PENDING if n not in JOBQ.read_text()})
-    assert not stale, f"no longer break a rule, remove from PENDING: {stale}"
-
-
-@pytest.mark.parametrize("rule", ["import", "__all__", "order"])
-def test_module_surface_and_order(violations: list[Violation], rule: str) -> None:
-    """Module-level imports are the standard library and SQLAlchemy only; ``__all__`` is sorted
-    and names public, defined names; the sections come in STYLE.md's order."""
+def test_sql_and_engine_branches_stay_in_their_modules(violations: list[Violation], rule: str) -> None:
+    """Statements are built only in the schema, SQL, fast-path, driver and migration modules,
+    and the engine is branched on only in the drivers. A bug shows as a line naming the
+    definition that builds a statement (or tests an engine name) in the wrong module."""
     bad = [str(v) for v in violations if v.rule == rule]
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("rule", ["import", "__all__", "modules", "size"])
+def test_imports_run_one_way_and_the_surface_is_all(violations: list[Violation], rule: str) -> None:
+    """Each module imports only the standard library, SQLAlchemy and the modules before it;
+    ``__all__`` is sorted and names public, defined names; every module is in the order and
+    none is over MAX_LINES."""
+    bad = [str(v) for v in violations if v.rule == rule]
+    assert not bad, "\n".join(bad)
+
+
+def test_late_imports_only_shrink() -> None:
+    """LATE_IMPORTS names only imports that are still there: one that has gone must leave the
+    list, so that it cannot come back unnoticed."""
+    modules = package()
+    found = set()
+    for name, source in modules.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                found.add((name, node.module))
+    assert LATE_IMPORTS <= found, f"no longer imported, remove from LATE_IMPORTS: {sorted(LATE_IMPORTS - found)}"
+
+
 # ---- the checker catches what it should (deliberately broken variants) ------------------------
 
-
-def _banner(title: str) -> str:
-    return f"# {'=' * 30}\n# {title}\n# {'=' * 30}\n"
-
-
-_GOOD = (
-    "import sqlalchemy as sa\n__all__ = ['a', 'b']\n"
-    + _banner("Logging and events") + _banner("SQL statements")
-    + "def _q_x():\n    return sa.select(1)\n"
-    + _banner("Dialect support")
-    + "def _family(engine):\n    return engine.dialect.name == 'sqlite'\n"
-    + _banner("The queue API, in job-lifecycle order")
-    + "def a(conn):\n    return conn.execute(_q_x())\n"
-    + "def b():\n    pass\n"
-)
+_GOOD = {
+    "__init__": "from .sql import a, b\n__all__ = ['a', 'b']\n_MODULES: tuple = (sql, drivers, jobs)\n",
+    "sql": "import sqlalchemy as sa\ndef _q_x():\n    return sa.select(1)\ndef a():\n    pass\ndef b():\n    pass\n",
+    "drivers": "from .sql import _q_x\ndef _family(engine):\n    return engine.dialect.name == 'sqlite'\n",
+    "jobs": "from .sql import _q_x\nfrom .drivers import _family\ndef c(conn):\n    return conn.execute(_q_x())\n",
+}
 
 
-def test_checker_accepts_a_clean_module() -> None:
-    """The clean model passes: the rules do not flag builders in their sections."""
+def _with(module: str, extra: str) -> dict[str, str]:
+    return {**_GOOD, module: _GOOD[module] + extra}
+
+
+def test_checker_accepts_a_clean_package() -> None:
+    """The clean model passes: builders in the SQL module, branches in the drivers, imports
+    from earlier modules only."""
     assert check(_GOOD) == []
 
 
 @pytest.mark.parametrize(
-    ("broken", "rule"),
+    ("module", "broken", "rule"),
     [
-        ("def c(conn):\n    return conn.execute(sa.update(t))\n", "statement"),
-        ("def c(conn):\n    conn.exec_driver_sql('SELECT 1')\n", "statement"),
-        ("def c(conn):\n    return sa.union_all(x, y)\n", "statement"),
-        ("def c(d):\n    return d.family == 'mysql'\n", "branch"),
-        ("def c(e):\n    return e.dialect.name\n", "branch"),
-        ("def c(e):\n    return getattr(e, 'x') in ('mariadb', 'x')\n", "branch"),
-        ("def c(e):\n    return e.dialect.driver\n", "branch"),
-        ("import numpy\n", "import"),
+        ("jobs", "def d(conn):\n    return conn.execute(sa.update(t))\n", "statement"),
+        ("jobs", "def d(conn):\n    conn.exec_driver_sql('SELECT 1')\n", "statement"),
+        ("jobs", "def d(conn):\n    return sa.union_all(x, y)\n", "statement"),
+        ("jobs", "def d(d):\n    return d.family == 'mysql'\n", "branch"),
+        ("jobs", "def d(e):\n    return e.dialect.name\n", "branch"),
+        ("jobs", "def d(e):\n    return getattr(e, 'x') in ('mariadb', 'x')\n", "branch"),
+        ("sql", "def d(e):\n    return e.dialect.driver\n", "branch"),
+        ("jobs", "import numpy\n", "import"),
+        ("sql", "from .jobs import c\n", "import"),
+        ("sql", "def d():\n    from .drivers import _family\n", "import"),
+        ("jobs", "\n" * MAX_LINES, "size"),
     ],
 )
-def test_checker_flags_a_broken_variant(broken: str, rule: str) -> None:
-    """Each rule fires on a minimal offender placed in the queue API section."""
-    assert {v.rule for v in check(_GOOD + broken)} == {rule}
+def test_checker_flags_a_broken_variant(module: str, broken: str, rule: str) -> None:
+    """Each rule fires on a minimal offender."""
+    assert {v.rule for v in check(_with(module, broken))} == {rule}
 
 
 @pytest.mark.parametrize(
     ("src", "what"),
     [
-        (_GOOD.replace("['a', 'b']", "['b', 'a']"), "not sorted"),
-        (_GOOD.replace("['a', 'b']", "['a', 'b', 'z']"), "not defined"),
-        (_GOOD.replace("['a', 'b']", "['_q_x', 'a', 'b']"), "internal"),
-        (_GOOD.replace("# Logging and events", "# Command-line interface"), "expected the order"),
+        ({**_GOOD, "__init__": _GOOD["__init__"].replace("['a', 'b']", "['b', 'a']")}, "not sorted"),
+        ({**_GOOD, "__init__": _GOOD["__init__"].replace("['a', 'b']", "['a', 'b', 'z']")}, "not defined"),
+        ({**_GOOD, "__init__": _GOOD["__init__"].replace("['a', 'b']", "['_q_x', 'a', 'b']")}, "internal"),
+        ({**_GOOD, "extra": "x = 1\n"}, "not in _MODULES"),
     ],
 )
-def test_checker_flags_bad_surface(src: str, what: str) -> None:
-    """``__all__`` out of order, naming an undefined or internal name, and sections out of
-    STYLE.md's order are each caught."""
+def test_checker_flags_bad_surface(src: dict[str, str], what: str) -> None:
+    """``__all__`` out of order, naming an undefined or internal name, and a module outside the
+    import order are each caught."""
     assert any(what in v.what for v in check(src))
 
 
 if __name__ == "__main__":
-    print(report(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else JOBQ).read_text()))
+    print(report(package()))

@@ -1,4 +1,5 @@
-"""jobq.py stays vendorable: standard library and SQLAlchemy only, and it runs copied alone."""
+"""The single file for vendoring, single/jobq.py: in sync with the package, standard library and
+SQLAlchemy only, and it runs copied alone."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ print(sorted(m for m in sys.modules if m.split(".")[0] not in sys.stdlib_module_
 
 
 def test_module_level_imports_are_stdlib_and_sqlalchemy_only() -> None:
-    """jobq.py's top-level imports (read from its AST) are the standard library and SQLAlchemy,
+    """single/jobq.py's top-level imports (read from its AST) are the standard library and SQLAlchemy,
     nothing else."""
-    tree = ast.parse((ROOT / "jobq.py").read_text())
+    tree = ast.parse((ROOT / "single" / "jobq.py").read_text())
     roots = set()
     for node in tree.body:
         if isinstance(node, ast.Import):
@@ -42,13 +43,13 @@ def test_module_level_imports_are_stdlib_and_sqlalchemy_only() -> None:
 
 
 def test_jobq_copied_alone_runs_a_dag_with_only_sqlalchemy(tmp_path: pathlib.Path) -> None:
-    """Copy jobq.py next to a script; give Python nothing but the stdlib, SQLAlchemy and what
+    """Copy single/jobq.py next to a script; give Python nothing but the stdlib, SQLAlchemy and what
     SQLAlchemy itself needs (no site-packages, no drivers, no test tools)."""
     app = tmp_path / "app"
     site = tmp_path / "site"
     app.mkdir()
     site.mkdir()
-    shutil.copy(ROOT / "jobq.py", app / "jobq.py")
+    shutil.copy(ROOT / "single" / "jobq.py", app / "jobq.py")
     (app / "main.py").write_text(SCRIPT)
     sa_dir = pathlib.Path(sqlalchemy.__file__).parent
     os.symlink(sa_dir, site / "sqlalchemy")

@@ -6,8 +6,9 @@ import contextlib
 import pathlib
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
+
+from helpers import JOBQ_CLI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -16,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def running_server(url: str, *argv: str) -> Iterator[tuple[str, str]]:
     """`python jobq.py --url URL serve ARGV`: yields (its base URL, what it printed before
     listening), then stops it with SIGINT (as Ctrl-C) and checks it exited cleanly."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "jobq.py"), "--url", url, "serve", *argv],
+    proc = subprocess.Popen([*JOBQ_CLI, "--url", url, "serve", *argv],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
     try:

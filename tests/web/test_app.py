@@ -19,6 +19,7 @@ import sqlalchemy as sa
 import jobq
 import jobq_web
 from dbs import only
+from helpers import JOBQ_CLI
 from webclient import Reply, call
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -468,7 +469,7 @@ def test_the_overview_reads_only_indexes(engine: sa.Engine) -> None:
 
 
 def test_serve_without_jobq_web_says_what_to_copy(tmp_path: pathlib.Path) -> None:
-    shutil.copy(ROOT / "jobq.py", tmp_path / "jobq.py")
+    shutil.copy(ROOT / "single" / "jobq.py", tmp_path / "jobq.py")
     db = tmp_path / "q.db"
     subprocess.run([sys.executable, "jobq.py", "--url", f"sqlite:///{db}", "init"], cwd=tmp_path, check=True,
                    capture_output=True)
@@ -489,9 +490,9 @@ def test_serve_without_jobq_web_says_what_to_copy(tmp_path: pathlib.Path) -> Non
 ])
 def test_serve_refuses_bad_options(tmp_path: pathlib.Path, argv: list[str], code: int, needle: str) -> None:
     db = tmp_path / "q.db"
-    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "init"], check=True,
+    subprocess.run([*JOBQ_CLI, "--url", f"sqlite:///{db}", "init"], check=True,
                    capture_output=True)
-    r = subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "serve", *argv],
+    r = subprocess.run([*JOBQ_CLI, "--url", f"sqlite:///{db}", "serve", *argv],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -500,13 +501,13 @@ def test_serve_on_a_taken_port_says_so(tmp_path: pathlib.Path) -> None:
     import socket
 
     db = tmp_path / "q.db"
-    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "init"], check=True,
+    subprocess.run([*JOBQ_CLI, "--url", f"sqlite:///{db}", "init"], check=True,
                    capture_output=True)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", f"sqlite:///{db}", "serve", "--port",
+        r = subprocess.run([*JOBQ_CLI, "--url", f"sqlite:///{db}", "serve", "--port",
                             str(port)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
 
@@ -520,7 +521,7 @@ def test_serve_binds_loopback_and_warns_elsewhere_without_a_token(tmp_path: path
 
     db = tmp_path / "q.db"
     url = f"sqlite:///{db}"
-    subprocess.run([sys.executable, str(ROOT / "jobq.py"), "--url", url, "init"], check=True, capture_output=True)
+    subprocess.run([*JOBQ_CLI, "--url", url, "init"], check=True, capture_output=True)
     with running_server(url, "--port", "0") as (base, err):
         assert base.startswith("http://127.0.0.1:") and "warning" not in err
         with urllib.request.urlopen(base + "api/overview", timeout=30) as r:

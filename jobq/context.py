@@ -1,0 +1,490 @@
+"""What a running handler sees (JobContext) and the worker's options (WorkerOptions), with the
+process executor's plumbing."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _utcnow
+from .claiming import Lease, _check_rate_limits
+from .drivers import _local_clock, _prepare
+from .jobs import _JOB_FIELD_NAMES, _ONE, _Plan, _plan
+from .outcomes import _ERROR_LIMIT
+from .policy import backoff
+from .sql import _Outcome
+from .validate import (
+    _MAX_SLOTS,
+    _check_int,
+    _check_json,
+    _check_name,
+    _check_number,
+    _check_seconds,
+    _encode_checked,
+    _type_name,
+)
+
+_CTX_LOCK = threading.Lock()
+
+
+class JobContext:
+    """What a handler receives: the job, ways to learn that it should stop, and ways to add
+    work atomically with its result (:meth:`enqueue`, :meth:`submit`).
+
+    Attributes:
+        id, type, args, attempt, max_attempts, group_key, parent_id: the job as claimed.
+        worker_id: the worker running it.
+        state: the job's last stored checkpoint (a dict; None on a fresh job): what a rerun
+            after a crash, a reclaim, a timeout or a retry resumes from. ``checkpoint`` updates it.
+    """
+
+    def __init__(self, lease: Lease, worker: Any = None) -> None:
+        self.id = lease.id
+        self.type = lease.type
+        self.args = lease.args
+        self.attempt = lease.attempt
+        self.max_attempts = lease.max_attempts
+        self.group_key = lease.group_key
+        self.parent_id = lease.parent_id
+        self.worker_id = lease.worker_id
+        self._stop: Any = None  # a threading.Event, made when first needed (most handlers never wait)
+        self._reason: str | None = None
+        self.state: dict[str, Any] | None = lease.checkpoint
+        self._token = lease.token
+        # How checkpoint() stores (set by the runner: a transaction, a pipe to the parent, or a
+        # coroutine for AsyncWorker) and the progress the next heartbeat carries.
+        self._save: Callable[[JobContext, dict[str, Any]], Any] | None = None
+        self._progress: dict[str, Any] | None = None
+        self._progress_sent: dict[str, Any] | None = None  # the report the last heartbeat wrote
+        self._report: Callable[[dict[str, Any]], None] | None = None  # a process handler's pipe
+        #: Inserts a checked _Plan held under this dispatch's lease; set by the worker (or, in a
+        #: handler process, a call through the pipe to it).
+        self._spawner: Callable[[_Plan], dict[str, int]] | None = None
+
+    def _event(self) -> Any:
+        if self._stop is None:
+            with _CTX_LOCK:
+                if self._stop is None:
+                    self._stop = threading.Event()
+        return self._stop
+
+    def _signal(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+        self._event().set()
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once the handler should stop: lease lost, timed out, cancelled or worker stopping."""
+        return self._stop is not None and self._stop.is_set()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why ``stop_requested`` is set: "lease_lost", "timed_out", "cancelled" or "shutdown"."""
+        return self._reason
+
+    @property
+    def lease_lost(self) -> bool:
+        """True when this dispatch no longer holds the lease: its result will be discarded."""
+        return self._reason == "lease_lost"
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; return True early if the handler should stop."""
+        return bool(self._event().wait(seconds))
+
+    def checkpoint(self, state: dict[str, Any]) -> Any:
+        """Durably store ``state`` for this job now; later dispatches start with it as ``ctx.state``.
+
+        One short transaction per call (see the README's "Checkpoints" for how often), fenced by
+        this dispatch's lease: nothing is written once the lease is lost.
+
+        Args:
+            state: a JSON object (the same rules as ``args``); replaces the previous checkpoint.
+
+        Returns:
+            None. In an :class:`AsyncWorker` an awaitable: ``await ctx.checkpoint(state)``.
+
+        Raises:
+            InvalidJob: ``state`` is not a JSON object within the limits; nothing is written.
+            LeaseLost: this dispatch no longer holds the job's lease; nothing is written.
+        """
+        if not isinstance(state, dict):
+            raise InvalidJob(f"checkpoint must be a JSON object (a dict), got {_type_name(state)}")
+        state = _encode_checked(state, "checkpoint")
+        if self._save is None:
+            raise JobqError("this JobContext belongs to no running dispatch: nothing to checkpoint")
+        return self._save(self, state)
+
+    def progress(self, done: float, total: float | None = None, message: str | None = None) -> None:
+        """Report how far the handler is; ``get``, ``jobq show``, ``jobq status`` and ``why`` show it
+        within one heartbeat interval. No transaction: the next heartbeat (or ``checkpoint``)
+        carries the latest report; earlier ones are dropped. The last one written is kept on
+        the job when it finishes (a report made after the last heartbeat or checkpoint is not).
+
+        Args:
+            done: work done so far (a finite number >= 0).
+            total: the whole amount, if known (a finite number >= 0).
+            message: a short note (at most 200 characters).
+
+        Raises:
+            InvalidJob: a bad value.
+        """
+        for value, what in ((done, "done"), (total, "total")):
+            if value is None and what == "total":
+                continue
+            _check_number(value, f"progress {what}", 0, sys.float_info.max)
+        if message is not None and (not isinstance(message, str) or len(message) > 200):
+            raise InvalidJob(f"progress message must be a string of at most 200 characters, got {message!r}")
+        self._progress = _check_json({"done": done, "total": total, "message": message}, "progress")
+        if self._report is not None:
+            self._report(self._progress)
+
+    def enqueue(self, type: str, args: Mapping[str, Any] | None = None, **kw: Any) -> int:
+        """Spawn a job that exists only if this dispatch's result commits.
+
+        Takes :func:`jobq.enqueue`'s arguments (after the target), with the same checks. The job
+        is written at once, ``held`` under this dispatch's lease: nothing claims it, and the
+        finalize that writes this handler's result releases it (to ``ready``/``waiting``) in the
+        same transaction. If the handler raises, times out, is cancelled or loses its lease, or
+        the worker dies (its lease is reclaimed), the job is deleted and never runs. Its id is
+        real: put it in the result, or name it in later spawns' ``depends_on``/``parent``.
+        ``depends_on=[ctx.id]`` runs it after this job; ``parent=ctx.parent_id`` adds it to this
+        job's container, which then cannot roll up before it finishes.
+
+        Each call is one short transaction (it locks this job's row); spawn many at once with
+        :meth:`submit`.
+
+        Returns:
+            The new job's id.
+
+        Raises:
+            InvalidJob: bad input, as :func:`jobq.enqueue` (also: naming a held job of another
+                dispatch). Nothing is written.
+            UniqueKeyHeld: the ``unique_key`` belongs to a held job of another dispatch.
+            LeaseLost: this dispatch no longer holds its lease, or the job was cancelled.
+            JobqError: not a worker's context.
+        """
+        unknown = set(kw) - set(_JOB_FIELD_NAMES)
+        if unknown or "type" in kw or "args" in kw:
+            raise InvalidJob(f"ctx.enqueue: unknown or repeated arguments {sorted(unknown | ({'type', 'args'} & set(kw)))}")
+        return self._spawn(_plan([{"type": type, "args": args, **kw}], single=True))[_ONE]
+
+    def submit(self, jobs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+        """Spawn a whole DAG (the items of :func:`jobq.submit`) held as :meth:`enqueue` holds one
+        job: one transaction, released with this dispatch's result or deleted with it.
+
+        Returns:
+            key -> new job id.
+
+        Raises:
+            InvalidJob: a bad item, as :func:`jobq.submit`. Nothing is written.
+            UniqueKeyHeld: an item's ``unique_key`` belongs to a held job of another dispatch.
+            LeaseLost: this dispatch no longer holds its lease, or the job was cancelled.
+            JobqError: not a worker's context.
+        """
+        return self._spawn(_plan(jobs, single=False))
+
+    def _spawn(self, plan: _Plan) -> dict[str, int]:
+        if self._spawner is None:
+            raise JobqError("spawning needs the context a Worker passes to its handler")
+        return self._spawner(plan)
+
+    def __repr__(self) -> str:
+        return f"JobContext(id={self.id}, type={self.type!r}, attempt={self.attempt})"
+
+
+_NO_IDS: frozenset[int] = frozenset()
+
+
+class _Running:
+    """One dispatch in this worker: a claimed job's lease, its context and its handler's state.
+
+    A plain class with slots, its key computed once: a claim makes one per job, and each
+    object a job allocates is one more for the garbage collector's young generations to walk
+    while the job runs (a no-op drain spent 14% of its time there, with nine per job).
+    """
+
+    __slots__ = ("lease", "ctx", "key", "started", "deadline", "last_beat", "thread", "process", "abandoned",
+                 "returned", "size", "spawned", "own", "write_failures", "_worker")
+
+    def __init__(self, lease: Lease, ctx: JobContext, started: float, deadline: float | None, last_beat: float,
+                 worker: Any) -> None:
+        self.lease = lease
+        self.ctx = ctx
+        # A dispatch, not a job: the same worker may hold attempt 1 (lease lost, handler still
+        # going) and attempt 2 of one job at once. Leases of one claim share a token.
+        self.key: tuple[str, int] = (lease.token, lease.id)
+        self.started = started  # monotonic
+        self.deadline = deadline  # monotonic
+        self.last_beat = last_beat  # monotonic time of the last successful heartbeat (or the claim)
+        self.thread: threading.Thread | None = None
+        self.process: Any = None  # the handler's process, with the process executor
+        self.abandoned = False  # released (timed out / shutdown / lease lost) while its handler still ran
+        self.returned = False  # the handler thread has finished
+        self.size = 0  # bytes of its encoded result, once returned
+        self.spawned = False  # the handler called ctx.enqueue/submit: its held jobs go with its outcome
+        self.own: frozenset[int] = _NO_IDS  # ids it spawned
+        self.write_failures = 0  # writes of its outcome that failed while the database was up
+        self._worker = worker
+
+    def __call__(self, plan: _Plan) -> dict[str, int]:
+        """The context's spawner (ctx.enqueue/submit): the worker inserts ``plan`` held under this
+        dispatch's lease."""
+        return self._worker._spawn(self, plan)  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Finished handlers taken from the queue, turned into what one transaction writes."""
+
+    raw: list[tuple[_Running, str, Any]]
+    outcomes: list[_Outcome] = dataclasses.field(default_factory=list)
+    keep: list[tuple[_Running, str, Any]] = dataclasses.field(default_factory=list)  # event per run, in order
+    freed: list[_Running] = dataclasses.field(default_factory=list)  # abandoned runs whose slot is freed
+
+
+class _Clock:
+    """The database's clock, read once in a while and carried forward on the monotonic clock,
+    so a jump of this machine's wall clock cannot expire or stretch a lease.
+
+    On SQLite the database's clock *is* this machine's wall clock, read afresh every time: a
+    jump of it is a jump of the database's time, seen by every process at once. Carried
+    forward, it would leave each worker on its own clock until its next refresh, and a worker
+    that had not yet seen a backward jump would reclaim the fresh leases of one that had, and
+    postpone their jobs by the size of the jump (tests/crash/test_clock.py)."""
+
+    def __init__(self, engine: Engine, refresh: float = 60.0) -> None:
+        self._engine = engine
+        self._refresh = refresh
+        self._anchor: tuple[_dt.datetime, float] | None = None
+        self._wall = _local_clock(engine)
+
+    def now(self) -> _dt.datetime:
+        if self._wall:
+            return _utcnow()
+        m = time.monotonic()
+        if self._anchor is None or m - self._anchor[1] > self._refresh:
+            d = _prepare(self._engine)
+            with self._engine.connect() as conn:
+                before = time.monotonic()
+                db = d.db_now(conn)
+                after = time.monotonic()
+                conn.rollback()
+            self._anchor = (db, (before + after) / 2)  # off by at most half the round trip
+            return self._anchor[0] + _dt.timedelta(seconds=time.monotonic() - self._anchor[1])
+        return self._anchor[0] + _dt.timedelta(seconds=m - self._anchor[1])
+
+
+#: Seconds after a notified tick before the loop looks again (see Worker._run_steps).
+_NOTIFY_RECHECK = 0.2
+
+
+def _worker_id() -> str:
+    return f"{socket.gethostname()[:80]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _pipe_spawn(conn: Any, plan: _Plan) -> dict[str, int]:
+    # In a handler process: the parent's handler thread spawns (one engine, one fence) and answers.
+    conn.send(("spawn", plan))
+    kind, value = conn.recv()
+    if kind == "raise":
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+#: The write ends (Connections) of the lifelines of this process's handler processes (see
+#: _die_with_worker), changed only under _LIFELINE_LOCK, which also covers starting a handler
+#: process: a child forked meanwhile inherits exactly these descriptors, and closes them all.
+_LIFELINES: set[Any] = set()
+_LIFELINE_LOCK = threading.Lock()
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_worker(lifeline: Any) -> None:
+    """In a handler process, first thing: end this process when its worker dies, even by SIGKILL.
+
+    Two watches, because neither covers every case alone. On Linux, the kernel sends SIGKILL
+    when the parent *thread* ends (PR_SET_PDEATHSIG): with fork and spawn that is the worker's
+    handler thread, which waits for this process, so it ends only with the worker; with
+    forkserver the parent is the fork server, which may outlive the worker for a while. And
+    everywhere, the ``lifeline``: the read end of a pipe whose write end only the worker holds
+    (a child forked from the worker closes the worker's copies, this one's included), so end
+    of file means the worker is gone, whatever the start method or the platform.
+    """
+    for held in list(_LIFELINES):  # fork: the worker's write ends, inherited; empty after spawn
+        held.close()
+    _LIFELINES.clear()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the lifeline alone
+    threading.Thread(target=_end_at_eof, args=(lifeline,), name="jobq-lifeline", daemon=True).start()
+
+
+def _end_at_eof(lifeline: Any) -> None:
+    try:
+        lifeline.recv_bytes()  # nothing is ever sent: this returns only at end of file
+    except BaseException:  # noqa: BLE001,S110 - EOF, or a closed pipe: the worker is gone either way
+        pass
+    kill = getattr(signal, "SIGKILL", None)
+    if kill is not None:
+        os.kill(os.getpid(), kill)
+    os._exit(70)
+
+
+def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], Any], lease: Lease, stop: Any,
+                  conn: Any, lifeline: Any) -> None:
+    # Runs in the handler's own process: report the outcome (and ask for spawns) through the
+    # pipe, touch nothing else (the database connections inherited by fork belong to the parent).
+    watch(lifeline)  # _die_with_worker, passed by the worker (a crash test passes a broken one)
+    ctx = JobContext(lease)
+    ctx._stop = stop
+    ctx._save = functools.partial(_checkpoint_through_pipe, conn)
+    ctx._report = lambda p: conn.send(("progress", p))
+    ctx._spawner = functools.partial(_pipe_spawn, conn)
+    try:
+        value = handler(ctx)
+        conn.send(("ok", value))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
+        conn.send(("error", _format_error(exc)))
+
+
+def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
+    # The handler's process asks its parent, which holds the lease and the connections, to
+    # store the checkpoint, and waits for the answer. Progress rides along with it.
+    conn.send(("checkpoint", (state, ctx._progress)))
+    kind, text = conn.recv()
+    if kind == "lost":
+        ctx._signal("lease_lost")
+        raise LeaseLost(text)
+    if kind != "ok":
+        raise JobqError(text)
+    ctx.state = state
+
+
+_EXECUTORS = ("thread", "process")
+_IDLE_THREAD_SECONDS = 30.0  # an idle handler thread exits after this long
+#: Faults the worker survives by logging ``db_error`` and backing off: the database's own
+#: errors, and a connection pool that stays exhausted past its timeout (handlers sharing it).
+_DB_FAULTS: tuple[type[BaseException], ...] = (sa.exc.DBAPIError, sa.exc.TimeoutError)
+#: Most bytes of results one finalize transaction carries: well below MariaDB's default
+#: max_allowed_packet (16 MiB), whatever the batch; a single result is at most MAX_JSON_BYTES.
+_BATCH_BYTES = 4 * 1024 * 1024
+#: Failed writes of one outcome, while the database answered other transactions, before a
+#: result is given up for a failure (and, after twice as many, the outcome is dropped and the
+#: lease left to expire): a batch that cannot be written must never wedge the worker.
+_WRITE_TRIES = 3
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WorkerOptions:
+    """A worker's options, validated once: ``Worker(engine, handlers, **options)`` builds one,
+    and ``worker.options`` is it. Each field means what :class:`Worker`'s argument of the same
+    name means; after validation ``heartbeat_interval``, ``worker_id`` and ``retry_backoff``
+    hold their resolved values (``local_concurrency`` defaults to ``max_concurrency``),
+    ``group_caps``/``rate_limits`` are plain dicts.
+
+    Raises:
+        ConfigError: an option is invalid (e.g. a heartbeat too close to the lease TTL, or a
+            ``start_method`` this platform lacks with ``executor="process"``).
+        InvalidJob: ``worker_id`` is not a valid name.
+    """
+
+    max_concurrency: int
+    lease_ttl: float = 30.0
+    heartbeat_interval: float | None = None
+    poll_interval: float = 1.0
+    worker_id: str | None = None
+    timeout: float | None = None
+    group_caps: Mapping[str, int] | None = None
+    rate_limits: Mapping[str, tuple[int, float]] | None = None
+    retry_backoff: Callable[[int], float] | None = None
+    shutdown_timeout: float = 30.0
+    executor: str = "thread"
+    start_method: str = "fork"
+    listen: bool = False
+    on_event: Callable[[Event], None] | None = None
+    finalize_delay: float = 0.005
+    local_concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        fix = functools.partial(object.__setattr__, self)
+        fix("max_concurrency", _check_int(self.max_concurrency, "max_concurrency", 1, _MAX_SLOTS, ConfigError))
+        local = self.max_concurrency if self.local_concurrency is None else _check_int(
+            self.local_concurrency, "local_concurrency", 1, _MAX_SLOTS, ConfigError)
+        if local > self.max_concurrency:
+            raise ConfigError(
+                f"local_concurrency={local} is above max_concurrency={self.max_concurrency}: the global cap "
+                "would never let this worker fill its slots; raise max_concurrency or lower local_concurrency"
+            )
+        fix("local_concurrency", local)
+        ttl = _check_seconds(self.lease_ttl, "lease_ttl", ConfigError, optional=False)
+        assert ttl is not None
+        hb = ttl / 3 if self.heartbeat_interval is None else _check_seconds(
+            self.heartbeat_interval, "heartbeat_interval", ConfigError, optional=False)
+        assert hb is not None
+        if hb > ttl / 2:
+            raise ConfigError(
+                f"heartbeat_interval={hb:g}s must be at most half of lease_ttl={ttl:g}s, or one slow "
+                "heartbeat loses the lease; the default is lease_ttl / 3"
+            )
+        fix("lease_ttl", ttl)
+        fix("heartbeat_interval", hb)
+        fix("poll_interval", _check_seconds(self.poll_interval, "poll_interval", ConfigError, optional=False))
+        if self.executor not in _EXECUTORS:
+            raise ConfigError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
+        if self.executor == "process":  # threads and tasks need no start method (issue 12: no fork here)
+            import multiprocessing
+
+            if self.start_method not in multiprocessing.get_all_start_methods():
+                raise ConfigError(f"start_method {self.start_method!r} is not available here")
+        fix("worker_id", _check_name(self.worker_id, "worker_id") if self.worker_id is not None else _worker_id())
+        fix("timeout", _check_seconds(self.timeout, "timeout", ConfigError))
+        fix("group_caps", {str(g): _check_int(n, f"group_caps[{g!r}]", 1, _MAX_SLOTS, ConfigError)
+                           for g, n in (self.group_caps or {}).items()})
+        fix("rate_limits", _check_rate_limits(self.rate_limits))
+        fix("retry_backoff", self.retry_backoff or backoff)
+        fix("shutdown_timeout", _check_seconds(self.shutdown_timeout, "shutdown_timeout", ConfigError,
+                                               optional=False) or 30.0)
+        fix("listen", bool(self.listen))
+        delay = 0.0 if self.finalize_delay == 0 and not isinstance(self.finalize_delay, bool) else _check_seconds(
+            self.finalize_delay, "finalize_delay", ConfigError, optional=False)
+        assert delay is not None
+        if delay > 1.0:
+            raise ConfigError(f"finalize_delay={delay:g}s: keep it to a few milliseconds (at most 1 s)")
+        fix("finalize_delay", delay)
+
+
+def _check_worker_target(engine: Engine, handlers: Any) -> None:
+    if not isinstance(engine, Engine):
+        raise ConfigError(f"engine must be a SQLAlchemy Engine, got {_type_name(engine)}")
+    if not isinstance(handlers, Mapping) or not handlers:
+        raise ConfigError("handlers must be a non-empty mapping of job type -> callable")
+    for name, fn in handlers.items():
+        _check_name(name, "handler type")
+        if not callable(fn):
+            raise ConfigError(f"handler for {name!r} is not callable")
+
+
+def _format_error(exc: BaseException) -> str:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    head = f"{type(exc).__name__}: {exc}"
+    return (head + "\n" + tb[-(_ERROR_LIMIT - len(head) - 1) :])[:_ERROR_LIMIT]
