@@ -35,7 +35,7 @@ def fill(engine: sa.Engine, rows: int) -> int:
     jobq.Base.metadata.drop_all(engine)
     jobq.create_schema(engine)
     jobs = jobq.Job.__table__
-    now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
     seed = []
     for i in range(1000):
         at = now - dt.timedelta(days=30) + dt.timedelta(minutes=i)

@@ -29,7 +29,7 @@ import jobq_web  # noqa: E402
 def seed(engine: sa.Engine) -> int:
     """The demo queue; returns the id of the container whose page is photographed."""
     jobq.create_schema(engine)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     # an hour of history: finished jobs every few minutes, a few failures
     for i in range(72):
         at = now - dt.timedelta(minutes=60 - i * 0.8)

@@ -177,7 +177,7 @@ class AsyncWorker(_WorkerCore):
 
         try:
             await asyncio.wait_for(self._awake.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._awake.clear()
 

@@ -152,7 +152,7 @@ class UniqueKeyHeld(InvalidJob):
 
 
 def _utcnow() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc).replace(tzinfo=None)
+    return _dt.datetime.now(_dt.UTC).replace(tzinfo=None)
 
 
 # ---- settle: the event-driven DAG bookkeeping --------------------------------------------------

@@ -115,7 +115,7 @@ def _run_after(text: str) -> _dt.datetime:
     if when.tzinfo is None:
         raise argparse.ArgumentTypeError(f"--run-after {text!r} has no time zone: add Z (UTC) or an offset like +02:00")
     try:
-        return when.astimezone(_dt.timezone.utc)
+        return when.astimezone(_dt.UTC)
     except OverflowError:
         raise argparse.ArgumentTypeError(f"--run-after {text!r} is out of range") from None
 

@@ -408,7 +408,7 @@ def _iso(value: _dt.datetime | None, *, precise: bool = False) -> str | None:
     if value is None:
         return None
     if value.tzinfo is not None:
-        value = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+        value = value.astimezone(_dt.UTC).replace(tzinfo=None)
     return value.isoformat(timespec="microseconds" if precise else "seconds") + "Z"
 
 

@@ -791,7 +791,7 @@ def get(engine: Engine | Connection | orm.Session, job_id: int) -> JobInfo | Non
         values = {k: row[k] for k in _JOBINFO_COLUMNS}
         for k in _JOBINFO_TIMES:  # stored naive UTC (every engine alike); handed out aware
             if values[k] is not None:
-                values[k] = values[k].replace(tzinfo=_dt.timezone.utc)
+                values[k] = values[k].replace(tzinfo=_dt.UTC)
         return JobInfo(depends_on=deps, **values)
 
     if isinstance(engine, Engine):
@@ -826,8 +826,8 @@ def attempts(engine: Engine | Connection | orm.Session, job_id: int) -> list[Att
         for r in conn.execute(_q_attempt_history(job_id)):
             out.append(AttemptInfo(
                 job_id=r.job_id, attempt=r.attempt, worker_id=r.worker_id,
-                started_at=r.started_at.replace(tzinfo=_dt.timezone.utc) if r.started_at is not None else None,
-                finished_at=r.finished_at.replace(tzinfo=_dt.timezone.utc), outcome=r.outcome, error=r.error))
+                started_at=r.started_at.replace(tzinfo=_dt.UTC) if r.started_at is not None else None,
+                finished_at=r.finished_at.replace(tzinfo=_dt.UTC), outcome=r.outcome, error=r.error))
         return out
 
     if isinstance(engine, Engine):

@@ -85,7 +85,7 @@ class GroupPolicy:
 def _policy_of(row: Any) -> GroupPolicy:
     rate = None if row.rate_n is None else (int(row.rate_n), float(row.rate_period))
     return GroupPolicy(group_key=row.group_key, weight=row.weight, max_in_flight=row.max_in_flight, rate_limit=rate,
-                       paused=bool(row.paused), updated_at=row.updated_at.replace(tzinfo=_dt.timezone.utc))
+                       paused=bool(row.paused), updated_at=row.updated_at.replace(tzinfo=_dt.UTC))
 
 
 def _policy_counts(value: str | None) -> tuple[int, int]:
@@ -197,7 +197,7 @@ def set_group(
             values["group_key"] = key
         rate = None if values["rate_n"] is None else (int(values["rate_n"]), float(values["rate_period"]))
         policy = GroupPolicy(group_key=key, weight=values["weight"], max_in_flight=values["max_in_flight"],
-                             rate_limit=rate, paused=bool(values["paused"]), updated_at=now.replace(tzinfo=_dt.timezone.utc))
+                             rate_limit=rate, paused=bool(values["paused"]), updated_at=now.replace(tzinfo=_dt.UTC))
         limited += policy.limits
         conn.execute(_Q_SET_CLAIM_LOCK_VALUE, {"b_value": f"{rows} {limited}"})
         return policy
@@ -268,7 +268,7 @@ def _global_limit_of(value: str) -> GlobalLimit:
         cap, rate = data["max_in_flight"], data["rate_limit"]
         return GlobalLimit(max_in_flight=None if cap is None else int(cap),
                            rate_limit=None if rate is None else (int(rate[0]), float(rate[1])),
-                           updated_at=_dt.datetime.fromisoformat(data["updated_at"]).replace(tzinfo=_dt.timezone.utc))
+                           updated_at=_dt.datetime.fromisoformat(data["updated_at"]).replace(tzinfo=_dt.UTC))
     except (ValueError, TypeError, KeyError, IndexError):
         raise JobqError(f"jobq_meta's global_limits row is not jobq's: {value!r} "
                         "(store the limits again with jobq.set_limit or `jobq limit`)") from None

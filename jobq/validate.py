@@ -185,7 +185,7 @@ def _to_db_time(value: _dt.datetime, what: str) -> _dt.datetime:
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidJob(f"{what} is a naive datetime; pass an aware one (e.g. tzinfo=datetime.timezone.utc)")
     try:
-        out = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+        out = value.astimezone(_dt.UTC).replace(tzinfo=None)
     except OverflowError:  # e.g. 0001-01-01 at +05:00 is before year 1 in UTC
         out = None
     if out is None or not _MIN_TIME <= out <= _MAX_TIME:

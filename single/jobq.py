@@ -266,7 +266,7 @@ class UniqueKeyHeld(InvalidJob):
 
 
 def _utcnow() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc).replace(tzinfo=None)
+    return _dt.datetime.now(_dt.UTC).replace(tzinfo=None)
 
 
 # ---- settle: the event-driven DAG bookkeeping --------------------------------------------------
@@ -3615,7 +3615,7 @@ def _to_db_time(value: _dt.datetime, what: str) -> _dt.datetime:
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidJob(f"{what} is a naive datetime; pass an aware one (e.g. tzinfo=datetime.timezone.utc)")
     try:
-        out = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+        out = value.astimezone(_dt.UTC).replace(tzinfo=None)
     except OverflowError:  # e.g. 0001-01-01 at +05:00 is before year 1 in UTC
         out = None
     if out is None or not _MIN_TIME <= out <= _MAX_TIME:
@@ -3726,7 +3726,7 @@ class GroupPolicy:
 def _policy_of(row: Any) -> GroupPolicy:
     rate = None if row.rate_n is None else (int(row.rate_n), float(row.rate_period))
     return GroupPolicy(group_key=row.group_key, weight=row.weight, max_in_flight=row.max_in_flight, rate_limit=rate,
-                       paused=bool(row.paused), updated_at=row.updated_at.replace(tzinfo=_dt.timezone.utc))
+                       paused=bool(row.paused), updated_at=row.updated_at.replace(tzinfo=_dt.UTC))
 
 
 def _policy_counts(value: str | None) -> tuple[int, int]:
@@ -3838,7 +3838,7 @@ def set_group(
             values["group_key"] = key
         rate = None if values["rate_n"] is None else (int(values["rate_n"]), float(values["rate_period"]))
         policy = GroupPolicy(group_key=key, weight=values["weight"], max_in_flight=values["max_in_flight"],
-                             rate_limit=rate, paused=bool(values["paused"]), updated_at=now.replace(tzinfo=_dt.timezone.utc))
+                             rate_limit=rate, paused=bool(values["paused"]), updated_at=now.replace(tzinfo=_dt.UTC))
         limited += policy.limits
         conn.execute(_Q_SET_CLAIM_LOCK_VALUE, {"b_value": f"{rows} {limited}"})
         return policy
@@ -3909,7 +3909,7 @@ def _global_limit_of(value: str) -> GlobalLimit:
         cap, rate = data["max_in_flight"], data["rate_limit"]
         return GlobalLimit(max_in_flight=None if cap is None else int(cap),
                            rate_limit=None if rate is None else (int(rate[0]), float(rate[1])),
-                           updated_at=_dt.datetime.fromisoformat(data["updated_at"]).replace(tzinfo=_dt.timezone.utc))
+                           updated_at=_dt.datetime.fromisoformat(data["updated_at"]).replace(tzinfo=_dt.UTC))
     except (ValueError, TypeError, KeyError, IndexError):
         raise JobqError(f"jobq_meta's global_limits row is not jobq's: {value!r} "
                         "(store the limits again with jobq.set_limit or `jobq limit`)") from None
@@ -5941,7 +5941,7 @@ def get(engine: Engine | Connection | orm.Session, job_id: int) -> JobInfo | Non
         values = {k: row[k] for k in _JOBINFO_COLUMNS}
         for k in _JOBINFO_TIMES:  # stored naive UTC (every engine alike); handed out aware
             if values[k] is not None:
-                values[k] = values[k].replace(tzinfo=_dt.timezone.utc)
+                values[k] = values[k].replace(tzinfo=_dt.UTC)
         return JobInfo(depends_on=deps, **values)
 
     if isinstance(engine, Engine):
@@ -5976,8 +5976,8 @@ def attempts(engine: Engine | Connection | orm.Session, job_id: int) -> list[Att
         for r in conn.execute(_q_attempt_history(job_id)):
             out.append(AttemptInfo(
                 job_id=r.job_id, attempt=r.attempt, worker_id=r.worker_id,
-                started_at=r.started_at.replace(tzinfo=_dt.timezone.utc) if r.started_at is not None else None,
-                finished_at=r.finished_at.replace(tzinfo=_dt.timezone.utc), outcome=r.outcome, error=r.error))
+                started_at=r.started_at.replace(tzinfo=_dt.UTC) if r.started_at is not None else None,
+                finished_at=r.finished_at.replace(tzinfo=_dt.UTC), outcome=r.outcome, error=r.error))
         return out
 
     if isinstance(engine, Engine):
@@ -6340,7 +6340,7 @@ def _iso(value: _dt.datetime | None, *, precise: bool = False) -> str | None:
     if value is None:
         return None
     if value.tzinfo is not None:
-        value = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+        value = value.astimezone(_dt.UTC).replace(tzinfo=None)
     return value.isoformat(timespec="microseconds" if precise else "seconds") + "Z"
 
 
@@ -8282,7 +8282,7 @@ class AsyncWorker(_WorkerCore):
 
         try:
             await asyncio.wait_for(self._awake.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._awake.clear()
 
@@ -8508,7 +8508,7 @@ def _run_after(text: str) -> _dt.datetime:
     if when.tzinfo is None:
         raise argparse.ArgumentTypeError(f"--run-after {text!r} has no time zone: add Z (UTC) or an offset like +02:00")
     try:
-        return when.astimezone(_dt.timezone.utc)
+        return when.astimezone(_dt.UTC)
     except OverflowError:
         raise argparse.ArgumentTypeError(f"--run-after {text!r} is out of range") from None
 

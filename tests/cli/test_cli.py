@@ -24,7 +24,7 @@ from dbs import only
 from helpers import JOBQ_CLI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-UTC = dt.timezone.utc
+UTC = dt.UTC
 ISO_S = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"  # to the second, for people
 ISO_US = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z"  # to the microsecond, in JSON
 

@@ -61,8 +61,8 @@ def test_a_timed_out_attempt_then_success_shows_two_attempts_and_no_stale_error(
     assert [(a.attempt, a.outcome, a.worker_id) for a in rows] == [(1, "timeout", "w-timeout"), (2, "done", "w-timeout")]
     assert "timed out after" in (rows[0].error or "") and rows[1].error is None
     for a in rows:
-        assert a.started_at is not None and a.started_at.tzinfo == dt.timezone.utc
-        assert a.finished_at.tzinfo == dt.timezone.utc and a.started_at <= a.finished_at
+        assert a.started_at is not None and a.started_at.tzinfo == dt.UTC
+        assert a.finished_at.tzinfo == dt.UTC and a.started_at <= a.finished_at
     assert rows[0].finished_at <= rows[1].started_at
     assert rows[1].finished_at == info.finished_at  # the same transaction, the same DB time
 

@@ -14,7 +14,7 @@ import jobq
 from dbs import only
 from helpers import snapshot, state
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 
 
 def test_enqueue_stores_a_ready_job_with_its_args(engine: sa.Engine) -> None:

@@ -16,7 +16,7 @@ import jobq
 from dbs import only
 from helpers import snapshot, state, wait_for
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 FAST = dict(poll_interval=0.02, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
 
 

@@ -142,7 +142,7 @@ def test_fail_retries_with_backoff_then_fails(engine: sa.Engine) -> None:
     assert jobq.fail(engine, jid, "ValueError: bad", worker_id="w", token=lease.token, delay=3600) == "ready"
     info = jobq.get(engine, jid)
     assert info is not None and info.error == "ValueError: bad" and info.attempts == 1
-    assert info.run_after > db_now(engine).replace(tzinfo=dt.timezone.utc) + dt.timedelta(minutes=59)
+    assert info.run_after > db_now(engine).replace(tzinfo=dt.UTC) + dt.timedelta(minutes=59)
     assert jobq.claim(engine, "w", 30) is None  # backing off
     lease = jobq.claim_batch(engine, "w", 30, now=info.run_after.replace(tzinfo=None) + dt.timedelta(seconds=1))[0]
     assert lease.attempt == 2

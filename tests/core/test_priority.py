@@ -16,7 +16,7 @@ from helpers import FAST, snapshot
 def test_claims_take_the_highest_priority_first_within_a_group(engine: sa.Engine) -> None:
     """Within one group the claim order is priority desc, then run_after, then id. A claim that
     ignored priority would hand out the oldest job (``low``) first."""
-    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
     low = jobq.enqueue(engine, "t", run_after=past)  # oldest, priority 0
     high_new = jobq.enqueue(engine, "t", priority=10)
     high_old = jobq.enqueue(engine, "t", priority=10, run_after=past + dt.timedelta(seconds=1))

@@ -44,7 +44,7 @@ def test_times_keep_microseconds_and_are_utc(engine: sa.Engine) -> None:
     jid = jobq.enqueue(engine, "t", run_after=when)
     info = jobq.get(engine, jid)
     assert info is not None
-    assert info.run_after == dt.datetime(2031, 5, 6, 1, 38, 9, 123457, tzinfo=dt.timezone.utc) == when
+    assert info.run_after == dt.datetime(2031, 5, 6, 1, 38, 9, 123457, tzinfo=dt.UTC) == when
     assert info.created_at.microsecond == info.updated_at.microsecond
 
 

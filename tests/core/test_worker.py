@@ -320,7 +320,7 @@ def test_a_running_worker_reclaims_a_lease_that_expires_after_its_first_sweep(en
     assert w.tick() == 0  # the first sweep: nothing to reclaim yet
     jid = jobq.enqueue(engine, "t")
     assert jobq.claim(engine, "stalled", 0.2) == jid  # its holder never reports back
-    wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc),
+    wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.UTC),
              what="the stalled lease to expire")
     # The broken worker never sweeps again: it ticks for twice the sweep interval, then gives up.
     assert w.run_until_idle(timeout=2.0 if broken else 30) is not broken

@@ -31,7 +31,7 @@ def test_a_handler_that_lost_its_lease_keeps_its_slot_until_it_returns(engine: s
     try:
         wait_file(tmp_path / f"started-{jid}-1")
         a.send_signal(signal.SIGSTOP)
-        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc), timeout=30, what="A's lease to expire")
+        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.UTC), timeout=30, what="A's lease to expire")
         assert jobq.reclaim(engine) == 1
         a.send_signal(signal.SIGCONT)
         wait_for(lambda: ("lease_lost", jid) in events(tmp_path), timeout=30, what="A to learn it lost the lease")

@@ -53,7 +53,7 @@ def _run(engine: sa.Engine, hours: int) -> dict:
     out: dict = {}
     try:
         wait_for(lambda: runs, timeout=10, what="worker A to start J1")
-        with time_machine.travel(dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=hours), tick=True):
+        with time_machine.travel(dt.datetime.now(dt.UTC) + dt.timedelta(hours=hours), tick=True):
             b = jobq.Worker(engine, {"long": handler("B"), "probe": handler("B")}, **opts)
             j2 = jobq.enqueue(engine, "probe", max_attempts=3)
             # B's deadline ends the broken variant's run, where J2 is postponed by the jump.

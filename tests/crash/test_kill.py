@@ -103,7 +103,7 @@ def test_a_zombie_worker_cannot_heartbeat_or_finalize(engine: sa.Engine, db_url:
     try:
         wait_file(tmp_path / f"started-{jid}-1")
         a.send_signal(signal.SIGSTOP)
-        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.timezone.utc), timeout=10, what="A's lease to expire")
+        wait_for(lambda: jobq.get(engine, jid).lease_expires < db_now(engine).replace(tzinfo=dt.UTC), timeout=10, what="A's lease to expire")
 
         def b_handler(ctx: jobq.JobContext) -> dict:
             gate.wait(60)

@@ -130,7 +130,7 @@ def test_filters_and_paging(engine: sa.Engine) -> None:
     assert [j["id"] for j in get("type=bulk&group=tenant-c")["jobs"]] == extra[::-1]
     assert get("group=nobody")["jobs"] == []
     assert len(get("since=1h")["jobs"]) == 10 and get("until=1h")["jobs"] == []
-    later = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     assert get(f"since={later}")["jobs"] == [] and len(get(f"until={later}")["jobs"]) == 10
     seen, before, pages = [], None, 0
     while True:
