@@ -74,6 +74,44 @@ def _drain(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]
     return n / elapsed, cpu / n * 1e6
 
 
+def _enqueue(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]:
+    """(enqueues/s, client CPU µs per enqueue) of ``n`` single enqueues, one transaction each."""
+    eng = sa.create_engine(url)
+    jobq.Base.metadata.drop_all(eng)
+    jobq.create_schema(eng)
+    gc.collect()
+    c0, t0 = B._cpu(), time.perf_counter()
+    for i in range(n):
+        jobq.enqueue(eng, "noop", {"i": i})
+    elapsed, cpu = time.perf_counter() - t0, B._cpu() - c0
+    eng.dispose()
+    return n / elapsed, cpu / n * 1e6
+
+
+def _claim(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]:
+    """(jobs/s, client CPU µs per job) of claiming ``n`` seeded jobs ``conc`` at a time with
+    claim_batch, each batch finalized (the claim and the finish without a worker's loop)."""
+    eng = sa.create_engine(url)
+    jobq.Base.metadata.drop_all(eng)
+    jobq.create_schema(eng)
+    B.seed(eng, n)
+    gc.collect()
+    c0, t0, got = B._cpu(), time.perf_counter(), 0
+    while got < n:
+        leases = jobq.claim_batch(eng, "ab", 60, limit=conc)
+        if not leases:
+            raise RuntimeError(f"{got} of {n} jobs claimed")
+        for lease in leases:
+            jobq.finalize(eng, lease.id, None, worker_id="ab", token=lease.token)
+        got += len(leases)
+    elapsed, cpu = time.perf_counter() - t0, B._cpu() - c0
+    eng.dispose()
+    return n / elapsed, cpu / n * 1e6
+
+
+_OPS = {"drain": _drain, "enqueue": _enqueue, "claim": _claim}
+
+
 def _setup_side(path: str, url: str, conc: int, cap: int) -> Callable[[], None]:
     """One worker process of a ``--procs`` drain, on the jobq.py at ``path``: its Worker, made
     before the start signal (throughput._run_procs), and the drain to run after it."""
@@ -108,6 +146,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--op", choices=sorted(_OPS), default="drain",
+                    help="drain: a Worker's run_until_idle; enqueue: single enqueues; claim: claim_batch + finalize")
     ap.add_argument("--procs", type=int, default=0,
                     help="worker processes (each --concurrency slots, as bench.py's drains); 0: one Worker in this process")
     args = ap.parse_args()
@@ -128,12 +168,12 @@ def main() -> None:
             for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
                 got[name].append(
                     _drain_procs(sides[name], paths[name], args.url, args.jobs, args.concurrency, args.procs)
-                    if args.procs else _drain(sides[name], args.url, args.jobs, args.concurrency))
+                    if args.procs else _OPS[args.op](sides[name], args.url, args.jobs, args.concurrency))
                 rate, cpu = got[name][-1]
                 print(f"  round {i + 1} {name}: {rate:,.0f} jobs/s, {cpu:.1f} µs CPU/job", flush=True)
     med = {k: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v)) for k, v in got.items()}
     shape = f"{args.procs} processes x {args.concurrency} slots" if args.procs else f"{args.concurrency} slots"
-    print(f"{args.rev} → working tree, {args.jobs:,} jobs, {shape}, medians of {args.rounds}:")
+    print(f"{args.rev} → working tree, {args.op}, {args.jobs:,} jobs, {shape}, medians of {args.rounds}:")
     for k in ("old", "new"):
         print(f"  {k}: {med[k][0]:,.0f} jobs/s, {med[k][1]:.1f} µs CPU/job")
     print(f"  new/old: {med['new'][0] / med['old'][0]:.2f}x jobs/s, {med['new'][1] / med['old'][1]:.2f}x CPU/job")
