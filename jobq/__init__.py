@@ -11,7 +11,7 @@ PyMySQL, ...) is your choice.
 
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> schema -> sql -> fastpath ->
-drivers -> migrations -> policy -> validate -> limits -> claiming -> outcomes -> jobs ->
+drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming -> outcomes -> jobs ->
 control -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
@@ -122,6 +122,7 @@ __all__ = [
 from . import (
     asyncworker,
     base,
+    claim_sql,
     claiming,
     cli,
     context,
@@ -140,8 +141,8 @@ from . import (
 )
 
 #: The modules in import order: each imports only from those before it.
-_MODULES: tuple[types.ModuleType, ...] = (base, schema, sql, fastpath, drivers, migrations, policy, validate, limits,
-                                          claiming, outcomes, jobs, control, context, worker, asyncworker, cli)
+_MODULES: tuple[types.ModuleType, ...] = (base, schema, sql, fastpath, drivers, migrations, policy, validate,
+                                          claim_sql, limits, claiming, outcomes, jobs, control, context, worker, asyncworker, cli)
 
 
 class _Package(types.ModuleType):

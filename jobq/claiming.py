@@ -15,11 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from .base import ConfigError, JobqError, _chunks
-from .drivers import _Dialect, _transaction
-from .fastpath import _hot_rowcount, _hot_rows
-from .limits import GlobalLimit, _check_rate_pair, _claim_meta, _group_policies
-from .policy import allocate
-from .sql import (
+from .claim_sql import (
     _LEASE_GROUP,
     _LEASE_ID,
     _Q_LOG_STARTS,
@@ -44,6 +40,10 @@ from .sql import (
     _q_window_json,
     _q_window_lateral,
 )
+from .drivers import _Dialect, _transaction
+from .fastpath import _hot_rowcount, _hot_rows
+from .limits import GlobalLimit, _check_rate_pair, _claim_meta, _group_policies
+from .policy import allocate
 from .validate import _MAX_SLOTS, _check_caps, _check_int, _check_name, _check_seconds
 
 

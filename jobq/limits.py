@@ -15,6 +15,7 @@ from sqlalchemy import orm
 from sqlalchemy.engine import Connection, Engine
 
 from .base import ConfigError, JobqError, _chunks
+from .claim_sql import _q_lock_claim, _q_lock_policy
 from .drivers import _T, _Dialect, _engine_of, _prepare, _target_connection, _transaction
 from .migrations import _Q_SEED_META
 from .schema import _CLAIM_LOCK_KEY, _GLOBAL_LIMITS_KEY, START_LOG_RETENTION
@@ -26,8 +27,6 @@ from .sql import (
     _Q_SET_GLOBAL_LIMITS,
     _Q_UPDATE_GROUP,
     _q_group_policies,
-    _q_lock_claim,
-    _q_lock_policy,
 )
 from .validate import (
     _MAX_RATE_STARTS,

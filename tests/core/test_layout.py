@@ -30,7 +30,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jobq"
 
-SQL_MODULES = frozenset({"schema", "sql", "fastpath", "drivers", "migrations"})
+SQL_MODULES = frozenset({"schema", "sql", "fastpath", "drivers", "migrations", "claim_sql"})
 BRANCH_MODULES = frozenset({"drivers", "fastpath"})
 STATEMENT_BUILDERS = frozenset({"select", "insert", "update", "delete", "text", "union", "union_all"})
 ENGINE_NAMES = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
