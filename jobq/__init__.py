@@ -10,9 +10,9 @@ project. It imports only the standard library and SQLAlchemy; the database drive
 PyMySQL, ...) is your choice.
 
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
-import in one direction, in this order: base (errors, events) -> schema -> sql -> fastpath ->
-drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming -> outcomes -> jobs ->
-control -> context -> worker -> asyncworker -> cli.
+import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
+fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
+outcomes -> jobs -> control -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -128,6 +128,7 @@ from . import (
     context,
     control,
     drivers,
+    engines,
     fastpath,
     jobs,
     limits,
@@ -141,8 +142,9 @@ from . import (
 )
 
 #: The modules in import order: each imports only from those before it.
-_MODULES: tuple[types.ModuleType, ...] = (base, schema, sql, fastpath, drivers, migrations, policy, validate,
-                                          claim_sql, limits, claiming, outcomes, jobs, control, context, worker, asyncworker, cli)
+_MODULES: tuple[types.ModuleType, ...] = (base, engines, schema, sql, fastpath, drivers, migrations, policy, validate,
+                                          claim_sql, limits, claiming, outcomes, jobs, control, context, worker, asyncworker,
+                                          cli)
 
 
 class _Package(types.ModuleType):

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.engine.interfaces import BindTyping
 
 from .base import JobqError
+from .engines import _facts
 
 # ---- the hot path's statements on the DBAPI cursor ---------------------------------------------
 
@@ -102,9 +103,7 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
                  if (proc := b.type.dialect_impl(dialect).bind_processor(dialect)) is not None}
         form = _Direct(stmt, compiled, binds, tuple(compiled.positiontup) if compiled.positional else None)
         lists = compiled.post_compile_params
-        from .drivers import _capabilities, _family  # the drivers build on this module: asked once per statement
-
-        if (lists and _capabilities(_family(dialect), ()).literal_int_lists
+        if (lists and _facts(dialect).literal_int_lists
                 and all(b.type.dialect_impl(dialect).bind_processor(dialect) is None for b in lists)):
             marks = tuple((b.key, f"__[POSTCOMPILE_{b.key}]") for b in lists)
             if all(mark in form.sql for _name, mark in marks):  # else not the text this was written for

@@ -8,8 +8,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import orm
-from sqlalchemy.dialects import mysql as _mysql
-from sqlalchemy.dialects import postgresql as _pg
+
+from .engines import _ID, _JSONCOL, _NAME, _TEXT, _TS, _facts, _when
 
 # Two tables carry the queue (`jobs`, `job_deps`) and one small table (`jobq_meta`) holds the
 # schema version and the row the capped claim locks. Times are naive UTC with microseconds on
@@ -31,14 +31,6 @@ STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled"
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
 
-_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-_TS = sa.DateTime().with_variant(_mysql.DATETIME(fsp=6), "mysql", "mariadb")
-# utf8mb4_bin: names compare case- and accent-sensitively on MySQL/MariaDB, as elsewhere.
-_NAME = sa.String(200).with_variant(
-    _mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-)
-_JSONCOL = sa.JSON().with_variant(_pg.JSONB(), "postgresql")
-_TEXT = sa.Text().with_variant(_mysql.MEDIUMTEXT(), "mysql", "mariadb")
 
 
 class Base(orm.DeclarativeBase):
@@ -51,12 +43,12 @@ def _partial_index(name: str, *cols: Any, where: str, sqlite_where: str | None =
     partial indexes by exact terms."""
     return sa.Index(  # type: ignore[no-any-return]
         name, *cols, postgresql_where=sa.text(where), sqlite_where=sa.text(sqlite_where or where),
-    ).ddl_if(dialect=("postgresql", "sqlite"))  # type: ignore[arg-type]
+    ).ddl_if(callable_=_when("partial_indexes"))
 
 
 def _mysql_index(name: str, *cols: Any) -> sa.Index:
     """The MySQL/MariaDB stand-in for a partial index (they have none): a plain composite."""
-    return sa.Index(name, *cols).ddl_if(dialect=("mysql", "mariadb"))  # type: ignore[arg-type,no-any-return]
+    return sa.Index(name, *cols).ddl_if(callable_=_when("index_hints"))  # type: ignore[no-any-return]
 
 
 #: The ready index's priority column, descending (the claim reads it forwards).
@@ -175,7 +167,7 @@ class Job(Base):
         # that concurrent enqueuers cannot both insert. Keep the predicate in sync with
         # _UNIQUE_LIVE_WHERE (the insert's ON CONFLICT names it). MySQL/MariaDB: _DDL_UNIQUE_LIVE.
         sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
-                 sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(dialect=("postgresql", "sqlite")),  # type: ignore[arg-type]
+                 sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(callable_=_when("partial_indexes")),
         # Held spawns by their spawner (schema 4): release, discard and reclaim find them here;
         # released rows leave the partial index. Keep in sync with _q_held_spawns. MySQL/MariaDB:
         # spawned_by alone (it never changes), so state changes move no entry of it.
@@ -308,7 +300,7 @@ _DDL_UNIQUE_LIVE = (
     sa.DDL("CREATE UNIQUE INDEX ux_jobs_unique_live_my ON jobs (unique_live)"),
 )
 for _ddl in _DDL_UNIQUE_LIVE:
-    sa.event.listen(_jobs, "after_create", _ddl.execute_if(dialect=("mysql", "mariadb")))  # type: ignore[arg-type]
+    sa.event.listen(_jobs, "after_create", _ddl.execute_if(callable_=_when("generated_live_key")))
 
 #: The jobq_meta row every capped claim locks: the cap's serialisation point.
 _CLAIM_LOCK_KEY = "claim_lock"
@@ -319,6 +311,4 @@ _GLOBAL_LIMITS_KEY = "global_limits"
 
 def _parent_fk_ddl(*, dialect: sa.Dialect, **kw: Any) -> bool:
     """Whether create_schema creates jobs.parent_id's foreign key on this dialect (_Dialect.parent_fk)."""
-    from .drivers import _capabilities, _family  # the drivers build on the schema: asked at DDL time
-
-    return _capabilities(_family(dialect), ()).parent_fk
+    return _facts(dialect).parent_fk

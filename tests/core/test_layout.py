@@ -6,8 +6,9 @@ An AST walk over the modules of ``jobq/``:
 * a statement (``sa.select/insert/update/delete/text/union/union_all``, ``.exec_driver_sql(``)
   is built only in the schema, SQL, fast-path, driver and migration modules;
 * the database is branched on (``dialect.name``, ``.family``, ``.is_mariadb``, ``.driver``, a
-  comparison with "postgresql", "mysql", "mariadb" or "sqlite") only in the drivers (and the
-  fast path, which is the drivers' cursor);
+  comparison with "postgresql", "mysql", "mariadb" or "sqlite", a type's ``with_variant``, a
+  ``ddl_if``/``execute_if`` by ``dialect=``) only in the engines and drivers modules (and the
+  fast path, which is the drivers' cursor): the schema asks for capabilities;
 * a module imports the standard library, SQLAlchemy, and modules before it in ``_MODULES``
   (jobq/__init__.py's import order), nothing else, at module level or inside a function
   (annotations may name a later module's class under ``if TYPE_CHECKING:``: nothing runs);
@@ -31,7 +32,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jobq"
 
 SQL_MODULES = frozenset({"schema", "sql", "fastpath", "drivers", "migrations", "claim_sql"})
-BRANCH_MODULES = frozenset({"drivers", "fastpath"})
+BRANCH_MODULES = frozenset({"engines", "drivers", "fastpath"})
 STATEMENT_BUILDERS = frozenset({"select", "insert", "update", "delete", "text", "union", "union_all"})
 ENGINE_NAMES = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
 BRANCH_ATTRS = frozenset({"family", "is_mariadb", "driver"})
@@ -39,9 +40,8 @@ BRANCH_ATTRS = frozenset({"family", "is_mariadb", "driver"})
 MAX_LINES = 1_500
 
 #: Imports that still run against the order (module, the later module it imports inside a
-#: function): the schema and the fast path ask the drivers for an engine's facts, and the
-#: drivers build on both. Each goes when the facts move; nothing new may join.
-LATE_IMPORTS: frozenset[tuple[str, str]] = frozenset({("schema", "drivers"), ("fastpath", "drivers")})
+#: function). Nothing may join; an entry goes when its import does.
+LATE_IMPORTS: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,10 @@ def _branches(node: ast.AST) -> Iterator[tuple[int, str]]:
                 yield n.lineno, f".{n.attr}"
             elif n.attr == "name" and isinstance(n.value, ast.Attribute) and n.value.attr == "dialect":
                 yield n.lineno, "dialect.name"
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                n.func.attr == "with_variant" or n.func.attr in ("ddl_if", "execute_if")
+                and any(k.arg == "dialect" for k in n.keywords)):
+            yield n.lineno, f".{n.func.attr}() by engine name"
         elif isinstance(n, ast.Compare):
             named = set().union(*(_strings(x) for x in [n.left, *n.comparators])) & ENGINE_NAMES
             if named:
@@ -248,6 +252,8 @@ def test_checker_accepts_a_clean_package() -> None:
         ("jobs", "def d(e):\n    return e.dialect.name\n", "branch"),
         ("jobs", "def d(e):\n    return getattr(e, 'x') in ('mariadb', 'x')\n", "branch"),
         ("sql", "def d(e):\n    return e.dialect.driver\n", "branch"),
+        ("sql", "_T = sa.Text().with_variant(x, 'mysql')\n", "branch"),
+        ("sql", "_I = sa.Index('i', 'c').ddl_if(dialect=('postgresql', 'sqlite'))\n", "branch"),
         ("jobs", "import numpy\n", "import"),
         ("sql", "from .jobs import c\n", "import"),
         ("sql", "def d():\n    from .drivers import _family\n", "import"),

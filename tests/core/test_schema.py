@@ -203,3 +203,15 @@ def test_the_full_parent_index_of_before_is_replaced_by_the_partial_one(engine: 
     jobq.cancel(engine, box)
     assert {jobq.get(engine, k).state for k in kids} == {"cancelled"}  # type: ignore[union-attr]
     assert jobq.get(engine, loose).state == "ready"  # type: ignore[union-attr]
+
+
+def test_every_engine_family_gets_the_claims_indexes_by_capability() -> None:
+    """The schema picks indexes by capability, not by engine name: each family either has
+    partial indexes (the claim's partial ready indexes) or takes the plain composite stand-ins,
+    never neither (a family with neither would claim by scanning every row, silently)."""
+    families = [*jobq._MIN_VERSIONS, "sqlite"]
+    for family in families:
+        facts = jobq._family_facts(family)
+        assert facts.partial_indexes != facts.index_hints, (family, facts.partial_indexes, facts.index_hints)
+    broken = jobq._Engine("newdb", ())  # BROKEN: an engine with the defaults only
+    assert not (broken.partial_indexes or broken.index_hints)  # is what the check above refuses
