@@ -26,7 +26,7 @@ from .engines import _ID, _JSONCOL, _NAME, _TEXT, _TS, _facts, _when
 #             finalize that commits the spawner's result releases it to waiting/ready; every
 #             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -146,8 +146,8 @@ class Job(Base):
         # planners can prove the index applies (SQLite cannot match "in_flight" to "in_flight = 1").
         _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = true", sqlite_where="in_flight = 1"),
         _mysql_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
-        # Children by their container. Partial where possible (replacing a full index on every start:
-        # _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
+        # Children by their container. Partial where possible (it replaces a full index in upgrade
+        # step 5: _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
         # finish of such a job wrote an index entry for its NULL (a state change is no HOT update).
         # Every query names a parent (``parent_id = x`` or ``IN``), which the planners prove
         # implies the predicate. MySQL/MariaDB's index moves only when parent_id does.

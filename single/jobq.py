@@ -524,7 +524,7 @@ _TEXT = sa.Text().with_variant(_mysql.MEDIUMTEXT(), "mysql", "mariadb")
 #             finalize that commits the spawner's result releases it to waiting/ready; every
 #             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -643,8 +643,8 @@ class Job(Base):
         # planners can prove the index applies (SQLite cannot match "in_flight" to "in_flight = 1").
         _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = true", sqlite_where="in_flight = 1"),
         _mysql_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
-        # Children by their container. Partial where possible (replacing a full index on every start:
-        # _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
+        # Children by their container. Partial where possible (it replaces a full index in upgrade
+        # step 5: _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
         # finish of such a job wrote an index entry for its NULL (a state change is no HOT update).
         # Every query names a parent (``parent_id = x`` or ``IN``), which the planners prove
         # implies the predicate. MySQL/MariaDB's index moves only when parent_id does.
@@ -2734,54 +2734,66 @@ _Q_SQLITE_OLD_INDEXES = sa.text(
 
 
 def _upgrade(conn: Connection, d: _Dialect, found: int) -> None:
-    """Bring a database created by an earlier jobq up to SCHEMA_VERSION, step by step. Each
-    step is idempotent (a crash between a step and the version update reruns it safely)."""
+    """Bring a database created by an earlier jobq up to SCHEMA_VERSION: run each step of
+    _MIGRATIONS numbered above ``found`` once, in order, recording its number in jobq_meta
+    after it. A database at SCHEMA_VERSION runs none of them (nothing is inspected). Each step
+    adds only what is missing, so a crash between a step and its record (MySQL/MariaDB commit
+    each DDL statement) reruns it safely."""
     if found > SCHEMA_VERSION:
         raise JobqError(
             f"the database has jobq schema version {found}, newer than this jobq.py ({SCHEMA_VERSION}): "
             "upgrade the vendored jobq.py"
         )
-    if found < 2:
-        # 1 -> 2: jobq_starts counts the jobs of one claim per row (one row per group per
-        # claim instead of one per job); finished rows get a partial index of their own
-        # instead of a (state, finished_at) index that every claim wrote to; waiting rows
-        # get one for stats(). (MySQL/MariaDB keep theirs until _rekey_mysql_indexes, below.)
-        inspector = sa.inspect(conn)
-        if "n" not in {c["name"] for c in inspector.get_columns("jobq_starts")}:
-            conn.execute(_DDL_STARTS_N)
-        if d.partial_indexes:
-            names = {i["name"] for i in inspector.get_indexes("jobs")}
-            if "ix_jobs_state_finished" in names:
-                conn.execute(_DDL_DROP_STATE_FINISHED)
-            for name in ("ix_jobs_finished", "ix_jobs_waiting"):
-                if name not in names:
-                    next(i for i in _jobs.indexes if i.name == name).create(conn)
-    if found < 3:
-        # 2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it).
-        if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
-            conn.execute(_DDL_CLOSED_BY)
-    # 3 -> 4: jobq_attempts is a new table (create_all, before this, made it); nothing to alter.
-    if found < 4:
-        _upgrade_4_state(conn, d)
-        _upgrade_4_spawn(conn, d)
+    for version, step, _what in _MIGRATIONS:
+        if version > found:
+            step(conn, d)
+            conn.execute(_Q_SET_SCHEMA_VERSION, {"b_value": str(version)})
+            logger.info("jobq schema upgraded to version %d: %s", version, _what)
+
+
+def _step_2(conn: Connection, d: _Dialect) -> None:
+    """1 -> 2: jobq_starts counts the jobs of one claim per row (one row per group per claim
+    instead of one per job); finished rows get a partial index of their own instead of a
+    (state, finished_at) index that every claim wrote to; waiting rows get one for stats().
+    (MySQL/MariaDB keep theirs until _rekey_mysql_indexes, step 5.)"""
+    inspector = sa.inspect(conn)
+    if "n" not in {c["name"] for c in inspector.get_columns("jobq_starts")}:
+        conn.execute(_DDL_STARTS_N)
+    if d.partial_indexes:
+        names = {i["name"] for i in inspector.get_indexes("jobs")}
+        if "ix_jobs_state_finished" in names:
+            conn.execute(_DDL_DROP_STATE_FINISHED)
+        for name in ("ix_jobs_finished", "ix_jobs_waiting"):
+            if name not in names:
+                next(i for i in _jobs.indexes if i.name == name).create(conn)
+
+
+def _step_3(conn: Connection, d: _Dialect) -> None:
+    """2 -> 3: jobs.closed_by records which job closed a dependent (retry follows it)."""
+    if "closed_by" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
+        conn.execute(_DDL_CLOSED_BY)
+
+
+def _step_4(conn: Connection, d: _Dialect) -> None:
+    """3 -> 4: job state (priority, unique keys, checkpoints, progress) and spawning. The new
+    tables jobq_attempts and jobq_groups are made by create_all, before any step."""
+    _upgrade_4_state(conn, d)
+    _upgrade_4_spawn(conn, d)
+
+
+def _step_5(conn: Connection, d: _Dialect) -> None:
+    """4 -> 5: the due index; the indexes re-keyed (MySQL/MariaDB: finished and held spawns
+    without state; PostgreSQL/SQLite: the partial ix_jobs_children for ix_jobs_parent); Oracle
+    MySQL's parent key dropped; SQLite's jobs table rebuilt with AUTOINCREMENT."""
     _add_due_index(conn, d)
     if not d.partial_indexes:
-        # Checked on every start (one catalogue read), with no version of its own, like the
-        # parent key below: a jobq.py of before reads the re-keyed indexes as well.
         _rekey_mysql_indexes(conn)
     else:
-        _rekey_parent_index(conn)  # the same: on every start, no version of its own
+        _rekey_parent_index(conn)
     if not d.parent_fk:
-        # Checked on every start (one catalogue read), with no version of its own: a jobq.py
-        # that predates it works as well without the key, and never creates it again.
         _drop_parent_fk(conn)
     if d.rowid_reuse:
-        # Also part of 2 -> 3, checked on every start (one catalogue read): a jobs table made
-        # before it (by any version) still hands out pruned ids again.
         _autoincrement_jobs(conn)
-    if found < SCHEMA_VERSION:
-        conn.execute(_Q_SET_SCHEMA_VERSION, {"b_value": str(SCHEMA_VERSION)})
-        logger.info("jobq schema upgraded from version %d to %d", found, SCHEMA_VERSION)
 
 
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
@@ -2841,9 +2853,7 @@ def _rekey_mysql_indexes(conn: Connection) -> None:
 
 
 def _add_due_index(conn: Connection, d: _Dialect) -> None:
-    """The due index (ix_jobs_due, or ix_jobs_due_my), made where it is missing. Checked on every
-    start (one catalogue read), with no version of its own: a jobq.py of before works with
-    it too (it only keeps the index up to date), and one after it finds it made."""
+    """The due index (ix_jobs_due, or ix_jobs_due_my), made where it is missing."""
     name = "ix_jobs_due" if d.partial_indexes else "ix_jobs_due_my"
     if name not in {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}:
         next(i for i in _jobs.indexes if i.name == name).create(conn)
@@ -2854,8 +2864,7 @@ def _rekey_parent_index(conn: Connection) -> None:
     """PostgreSQL/SQLite: replace the index of every row's parent_id (``ix_jobs_parent``, made
     by every jobq.py before this one) by its partial successor ``ix_jobs_children``, made
     first. The full index took an entry for each parentless job at every claim and every
-    finish on PostgreSQL. A jobq.py of before never makes it again on an existing table
-    (create_all skips the indexes of a table that exists), and reads the new one as well."""
+    finish on PostgreSQL."""
     names = {i["name"] for i in sa.inspect(conn).get_indexes("jobs")}
     if "ix_jobs_children" not in names:
         next(i for i in _jobs.indexes if i.name == "ix_jobs_children").create(conn)
@@ -2896,6 +2905,17 @@ def _autoincrement_jobs(conn: Connection) -> None:
     finally:
         conn.exec_driver_sql("PRAGMA legacy_alter_table = OFF")
     logger.info("jobq: rebuilt the SQLite jobs table with AUTOINCREMENT (ids are never reused)")
+
+
+#: The numbered upgrade steps, in order: (version, step, what it does). A step turns a database
+#: at version - 1 into one at version; create_schema runs those above the recorded version.
+#: A database made by create_all is at the last one already. SCHEMA_VERSION is the last number.
+_MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...] = (
+    (2, _step_2, "jobq_starts.n; the finished and waiting indexes"),
+    (3, _step_3, "jobs.closed_by"),
+    (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
+    (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
+)
 
 
 # ==============================================================================================

@@ -183,3 +183,9 @@ def counted(engine: sa.Engine) -> Iterator[list[str]]:
         yield seen
     finally:
         sa.event.remove(engine, "before_cursor_execute", note)
+
+
+def recorded_version(engine: sa.Engine, version: int) -> None:
+    """Record ``version`` as the database's schema_version, as the jobq.py of that version left it."""
+    with engine.begin() as conn:
+        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value=str(version)))

@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import db_now
+from helpers import db_now, recorded_version
 
 #: Jobs scheduled a day ahead: enough that a walk of them dwarfs everything else a tick reads.
 SCHEDULED = 20_000
@@ -160,7 +160,8 @@ def test_a_database_of_before_gets_the_due_index_and_keeps_its_scheduled_jobs(en
     index leaves the tick walking them (the broken variant above)."""
     _fresh(engine)
     empty = _idle_tick_reads(engine)
-    _drop_due_index(engine)  # the schema of the jobq.py before it: version 4 as well
+    _drop_due_index(engine)  # the schema of the jobq.py before it: version 4
+    recorded_version(engine, 4)
     now = db_now(engine)
     names = {i["name"] for i in sa.inspect(engine).get_indexes("jobs")}
     assert not names & {"ix_jobs_due", "ix_jobs_due_my"}, names

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
+from helpers import recorded_version
 
 
 def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
@@ -96,6 +97,7 @@ def test_parent_key_exists_except_on_oracle_mysql(engine: sa.Engine, dialect: st
     assert _parent_keys(engine) == []
     with engine.begin() as conn:  # as every create_schema before this made it
         conn.exec_driver_sql("ALTER TABLE jobs ADD FOREIGN KEY (parent_id) REFERENCES jobs (id)")
+    recorded_version(engine, 4)
     assert len(_parent_keys(engine)) == 1
     jobq.create_schema(engine)
     assert _parent_keys(engine) == []
@@ -153,6 +155,7 @@ def test_state_led_indexes_of_before_are_rekeyed_in_place(engine: sa.Engine, dia
         conn.exec_driver_sql("DROP INDEX ix_jobs_held_my ON jobs")
         conn.exec_driver_sql("CREATE INDEX ix_jobs_state_finished ON jobs (state, finished_at)")
         conn.exec_driver_sql("CREATE INDEX ix_jobs_held_my ON jobs (state, spawned_by)")
+    recorded_version(engine, 4)
     now = jobq._utcnow()
     base = dict(type="t", args={}, is_container=False, group_key="g", weight=1, run_after=now, created_at=now,
                 updated_at=now, attempts=0, max_attempts=3, in_flight=False, cancel_requested=False, pending_deps=0,
@@ -193,6 +196,7 @@ def test_the_full_parent_index_of_before_is_replaced_by_the_partial_one(engine: 
     with engine.begin() as conn:  # as every create_schema before this made it
         conn.exec_driver_sql("DROP INDEX ix_jobs_children")
         conn.exec_driver_sql("CREATE INDEX ix_jobs_parent ON jobs (parent_id)")
+    recorded_version(engine, 4)
     box = jobq.enqueue(engine, "box", container=True)
     kids = [jobq.enqueue(engine, "t", parent=box) for _ in range(3)]
     loose = jobq.enqueue(engine, "t")

@@ -52,7 +52,7 @@ def test_a_schema_3_database_gains_spawning_in_place(engine: sa.Engine) -> None:
     assert want in {i["name"] for i in insp.get_indexes("jobs")}
     with engine.connect() as conn:
         version = conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar()
-    assert version == str(jobq.SCHEMA_VERSION) == "4"
+    assert version == str(jobq.SCHEMA_VERSION) == "5"
 
     def spawner(ctx: jobq.JobContext) -> dict[str, int]:
         return {"child": ctx.enqueue("child", depends_on=[ctx.id])}

@@ -60,7 +60,7 @@ def test_a_schema_3_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
     assert len(ready) == 1 and "priority" in next(iter(ready.values())), ready
     with engine.connect() as conn:
         version = conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar()
-    assert version == str(jobq.SCHEMA_VERSION) == "4"
+    assert version == str(jobq.SCHEMA_VERSION) == "5"
     assert jobq.get(engine, 1).priority == 0  # type: ignore[union-attr]
     if jobq._prepare(engine).live_key_column == "unique_live":
         assert "unique_live" in {c["name"] for c in insp.get_columns("jobs")}
