@@ -101,6 +101,15 @@ def _engine_sessions(kind: str, paths: list[str], doc: str, parallel: bool = Fal
 _engine_sessions("tests", CONFORMANCE, "The conformance suite on {engine} only, in parallel.", parallel=True)
 
 
+@nox.session(name="tests-nofastpath", default=False)
+def tests_nofastpath(session: nox.Session) -> None:
+    """The conformance suite on PostgreSQL with JOBQ_FASTPATH=0: every statement through
+    Connection.execute, as on a SQLAlchemy the cursor fast path does not recognise."""
+    session.install(*TEST_DEPS)
+    env = {**_env("postgresql"), "JOBQ_FASTPATH": "0"}
+    session.run("pytest", *CONFORMANCE, *_workers(session), *session.posargs, env=env)
+
+
 @nox.session(name="tests-mysqlclient", default=False)
 def tests_mysqlclient(session: nox.Session) -> None:
     """The MySQL and MariaDB suites through mysqlclient (MySQLdb, the C driver) instead of

@@ -14,6 +14,7 @@ from .claiming import claim, claim_batch
 from .context import JobContext, WorkerOptions, _check_worker_target, _format_error, _Running
 from .control import cancel, prune, retry, stats, tick, why
 from .drivers import _T, _prepare
+from .fastpath import _await_only, _greenlet_spawn
 from .jobs import attempts, create_schema, enqueue, get, submit
 from .limits import get_group, get_limit, groups, set_group, set_limit
 from .outcomes import fail, finalize, heartbeat, reclaim, release
@@ -39,10 +40,9 @@ _SYNC: dict[str, Callable[..., Any]] = {fn.__name__: fn for fn in (
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
     async def twin(target: Any, *args: Any, **kwargs: Any) -> _T:
         from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
-        from sqlalchemy.util import greenlet_spawn
 
         if isinstance(target, AsyncEngine):
-            return await greenlet_spawn(fn, target.sync_engine, *args, **kwargs)  # type: ignore[no-any-return]
+            return await _greenlet_spawn(fn, target.sync_engine, *args, **kwargs)  # type: ignore[no-any-return]
         if isinstance(target, (AsyncConnection, AsyncSession)):
             # the caller's transaction, as with a sync Session/Connection
             return await target.run_sync(lambda sync: fn(sync, *args, **kwargs))  # type: ignore[arg-type]
@@ -168,9 +168,7 @@ class AsyncWorker(_WorkerCore):
             raise
 
     async def _bridge(self, fn: Callable[..., _T], *args: Any) -> _T:
-        from sqlalchemy.util import greenlet_spawn
-
-        return await greenlet_spawn(fn, *args)  # type: ignore[no-any-return]
+        return await _greenlet_spawn(fn, *args)  # type: ignore[no-any-return]
 
     async def _nap(self, seconds: float) -> None:
         import asyncio
@@ -275,8 +273,6 @@ async def _in_bridge(coro: Any) -> Any:
     future it yields is waited for (and cancelled with the task), then it is resumed."""
     import asyncio
 
-    from sqlalchemy.util import await_only, greenlet_spawn
-
     async def step(fut: Any) -> None:
         if fut is None:  # a bare yield (asyncio.sleep(0)): give the loop one turn
             await asyncio.sleep(0)
@@ -297,11 +293,11 @@ async def _in_bridge(coro: Any) -> Any:
                 return stop.value
             error = None
             try:
-                await_only(step(fut))
+                _await_only(step(fut))
             except BaseException as exc:  # noqa: BLE001 - delivered into the handler, as a Task would
                 error = exc
 
-    return await greenlet_spawn(drive)
+    return await _greenlet_spawn(drive)
 
 
 class _AioNamespace:

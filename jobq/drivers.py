@@ -21,7 +21,7 @@ from sqlalchemy.ext.compiler import compiles
 
 from .base import ConfigError, JobqError, UnsupportedDatabase, _utcnow, logger
 from .engines import _MIN_VERSIONS, _Engine, _engine_facts, _facts, _family
-from .fastpath import _hot_rowcount, _hot_rows
+from .fastpath import _await_only, _hot_rowcount, _hot_rows
 from .schema import _NAME, _UNIQUE_LIVE_WHERE, _c, _jobs
 from .sql import (
     _Q_INSERT_JOB,
@@ -585,9 +585,7 @@ def _pause_for(engine: Engine, seconds: float) -> None:
     if engine.dialect.is_async:
         import asyncio
 
-        from sqlalchemy.util import await_only
-
-        await_only(asyncio.sleep(seconds))
+        _await_only(asyncio.sleep(seconds))
     else:
         time.sleep(seconds)
 

@@ -1,20 +1,60 @@
 """The hot path's statements on the DBAPI cursor (_Direct): compiled once per dialect, run
-without Connection.execute's per-call overhead where nothing watches the connection."""
+without Connection.execute's per-call overhead where nothing watches the connection.
+
+This is the one module that uses SQLAlchemy's private or semi-private names: the compiled
+statement's internals (construct_expanded_state, post_compile_params, positiontup, bind_names,
+the prefetch lists, the ``__[POSTCOMPILE_name]`` marks), ``Connection._autobegin``,
+``BindTyping``, and the greenlet bridge of ``sqlalchemy.util`` (_greenlet_spawn, _await_only).
+A SQLAlchemy release that changes them must break nothing but the speed-up: the first statement
+for an engine's dialect checks, on a probe statement compiled for it, that each name is there
+and renders what ``Connection.execute`` would (_fastpath_unsound); if not, every statement on
+that dialect goes through ``Connection.execute`` and one warning goes to the "jobq" logger.
+
+``JOBQ_FASTPATH=0`` in the environment (read at import) turns the cursor path off everywhere:
+every statement goes through ``Connection.execute``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
-from sqlalchemy.engine.interfaces import BindTyping
 
-from .base import JobqError
+from .base import JobqError, logger
 from .engines import _facts
+
+try:
+    from sqlalchemy.engine.interfaces import BindTyping
+except ImportError:  # a SQLAlchemy without it: _fastpath_unsound says so, nothing runs on the cursor
+    BindTyping = None  # type: ignore[assignment,misc]
+
+#: Whether the cursor path may be taken at all: JOBQ_FASTPATH=0 turns it off (read at import).
+_FASTPATH = os.environ.get("JOBQ_FASTPATH", "1").strip() != "0"
+
+
+# ---- SQLAlchemy's greenlet bridge (asyncio engines) --------------------------------------------
+
+
+async def _greenlet_spawn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` inside SQLAlchemy's greenlet bridge, where a synchronous call
+    on an async engine awaits its driver (sqlalchemy.util.greenlet_spawn)."""
+    from sqlalchemy.util import greenlet_spawn
+
+    return await greenlet_spawn(fn, *args, **kwargs)
+
+
+def _await_only(awaitable: Any) -> Any:
+    """Await ``awaitable`` from synchronous code running inside _greenlet_spawn
+    (sqlalchemy.util.await_only)."""
+    from sqlalchemy.util import await_only
+
+    return await_only(awaitable)
 
 # ---- the hot path's statements on the DBAPI cursor ---------------------------------------------
 
@@ -76,6 +116,53 @@ _DIRECT: weakref.WeakKeyDictionary[Any, dict[int, _Direct | None]] = weakref.Wea
 #: Most statements compiled for the cursor per dialect: the hot path's prebuilt ones are a few
 #: dozen; anything past this runs through Connection.execute.
 _DIRECT_FORMS = 256
+#: The forms of a dialect whose SQLAlchemy is not what this module was written for (an empty
+#: dict, kept empty: every statement on it runs through Connection.execute).
+_OFF: dict[int, _Direct | None] = {}
+
+#: The names of SQLAlchemy's compiled statement (SQLCompiler) this module uses.
+_COMPILED_NAMES = ("string", "positional", "positiontup", "bind_names", "post_compile_params",
+                   "literal_execute_params", "escaped_bind_names", "insert_prefetch", "update_prefetch",
+                   "construct_params", "construct_expanded_state")
+#: The expanded state's (construct_expanded_state's) names it uses.
+_EXPANDED_NAMES = ("statement", "parameters", "positiontup", "processors")
+
+
+def _fastpath_unsound(dialect: Any) -> str | None:
+    """Why this module's use of SQLAlchemy's private names would not do on ``dialect``, or
+    None: each name is there, and a probe statement (a bound value and an expanding list) comes
+    out as Connection.execute would send it. Asked once per dialect (_direct_form)."""
+    try:
+        if BindTyping is None or not hasattr(dialect, "bind_typing"):
+            return "no BindTyping"
+        if not callable(getattr(Connection, "_autobegin", None)):
+            return "no Connection._autobegin"
+        t = sa.table("jobq_probe", sa.column("a", sa.Integer), sa.column("b", sa.Integer))
+        stmt = sa.select(t.c.a).where(t.c.a == sa.bindparam("x", 2, type_=sa.Integer),
+                                      t.c.b.in_(sa.bindparam("ids", [3, 4], expanding=True)))
+        compiled = stmt.compile(dialect=dialect)
+        missing = [n for n in _COMPILED_NAMES if not hasattr(compiled, n)]
+        if missing:
+            return "the compiled statement has no " + ", ".join(missing)
+        if [b.key for b in compiled.post_compile_params] != ["ids"] or "__[POSTCOMPILE_ids]" not in compiled.string:
+            return "an expanding list is not compiled as a POSTCOMPILE mark"
+        if sorted(compiled.bind_names.values()) != ["ids", "x"]:
+            return "unexpected bind_names"
+        state = compiled.construct_expanded_state({"x": 2, "ids": [3, 4]})
+        missing = [n for n in _EXPANDED_NAMES if not hasattr(state, n)]
+        if missing:
+            return "the expanded state has no " + ", ".join(missing)
+        # What Connection.execute sends is what the public render_postcompile renders
+        rendered = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+        if state.statement != rendered.string:
+            return "construct_expanded_state renders another statement"
+        values = dict(state.parameters)
+        sent = [values[k] for k in state.positiontup or ()] if compiled.positional else sorted(values.values())
+        if sent != [2, 3, 4]:
+            return f"construct_expanded_state sends {sent!r} for [2, 3, 4]"
+    except Exception as exc:  # noqa: BLE001 - any surprise means: not this fast path
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
@@ -84,13 +171,17 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
     input sizes, or column defaults computed in Python."""
     forms = _DIRECT.get(dialect)
     if forms is None:
-        forms = _DIRECT[dialect] = {}
+        why = _fastpath_unsound(dialect)
+        if why is not None:
+            logger.warning("jobq: statements on %s run through Connection.execute: this SQLAlchemy (%s) is not "
+                         "what the cursor fast path was written for (%s)", dialect.name, sa.__version__, why)
+        forms = _DIRECT[dialect] = {} if why is None else _OFF
     # A form holds its statement, so its id is not reused; at worst a reused id finds None and
     # its statement runs through Connection.execute.
     key = id(stmt)
     if key in forms:
         return forms[key]
-    if len(forms) >= _DIRECT_FORMS:
+    if forms is _OFF or len(forms) >= _DIRECT_FORMS:
         return None  # a statement built per call would grow the cache without bound
     form: _Direct | None = None
     compiled = stmt.compile(dialect=dialect)
@@ -117,8 +208,9 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
 
 def _direct(conn: Connection) -> bool:
     """Whether statements may bypass Connection.execute on ``conn``: not when anything watches
-    its statements (cursor-execute listeners, SQLAlchemy's statement log, schema translation)."""
-    return not (conn.dispatch.before_cursor_execute or conn.dispatch.after_cursor_execute
+    its statements (cursor-execute listeners, SQLAlchemy's statement log, schema translation),
+    nor anywhere with JOBQ_FASTPATH=0."""
+    return _FASTPATH and not (conn.dispatch.before_cursor_execute or conn.dispatch.after_cursor_execute
                 or conn.engine.logger.isEnabledFor(logging.INFO)
                 or "schema_translate_map" in conn.get_execution_options())
 

@@ -51,7 +51,6 @@ import sqlalchemy as sa
 from sqlalchemy import event, orm
 from sqlalchemy.dialects import mysql as _mysql, postgresql as _pg, sqlite as _sqlite
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.engine.interfaces import BindTyping
 from sqlalchemy.ext.compiler import compiles
 
 __all__ = [
@@ -1889,6 +1888,45 @@ def _q_db_now_notify(d: _Dialect) -> sa.TextClause:
 # ==============================================================================================
 # The hot path's statements on the DBAPI cursor (_Direct): compiled once per dialect, run
 # without Connection.execute's per-call overhead where nothing watches the connection.
+#
+# This is the one module that uses SQLAlchemy's private or semi-private names: the compiled
+# statement's internals (construct_expanded_state, post_compile_params, positiontup, bind_names,
+# the prefetch lists, the ``__[POSTCOMPILE_name]`` marks), ``Connection._autobegin``,
+# ``BindTyping``, and the greenlet bridge of ``sqlalchemy.util`` (_greenlet_spawn, _await_only).
+# A SQLAlchemy release that changes them must break nothing but the speed-up: the first statement
+# for an engine's dialect checks, on a probe statement compiled for it, that each name is there
+# and renders what ``Connection.execute`` would (_fastpath_unsound); if not, every statement on
+# that dialect goes through ``Connection.execute`` and one warning goes to the "jobq" logger.
+#
+# ``JOBQ_FASTPATH=0`` in the environment (read at import) turns the cursor path off everywhere:
+# every statement goes through ``Connection.execute``.
+
+try:
+    from sqlalchemy.engine.interfaces import BindTyping
+except ImportError:  # a SQLAlchemy without it: _fastpath_unsound says so, nothing runs on the cursor
+    BindTyping = None  # type: ignore[assignment,misc]
+
+#: Whether the cursor path may be taken at all: JOBQ_FASTPATH=0 turns it off (read at import).
+_FASTPATH = os.environ.get("JOBQ_FASTPATH", "1").strip() != "0"
+
+
+# ---- SQLAlchemy's greenlet bridge (asyncio engines) --------------------------------------------
+
+
+async def _greenlet_spawn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` inside SQLAlchemy's greenlet bridge, where a synchronous call
+    on an async engine awaits its driver (sqlalchemy.util.greenlet_spawn)."""
+    from sqlalchemy.util import greenlet_spawn
+
+    return await greenlet_spawn(fn, *args, **kwargs)
+
+
+def _await_only(awaitable: Any) -> Any:
+    """Await ``awaitable`` from synchronous code running inside _greenlet_spawn
+    (sqlalchemy.util.await_only)."""
+    from sqlalchemy.util import await_only
+
+    return await_only(awaitable)
 
 # ---- the hot path's statements on the DBAPI cursor ---------------------------------------------
 
@@ -1950,6 +1988,53 @@ _DIRECT: weakref.WeakKeyDictionary[Any, dict[int, _Direct | None]] = weakref.Wea
 #: Most statements compiled for the cursor per dialect: the hot path's prebuilt ones are a few
 #: dozen; anything past this runs through Connection.execute.
 _DIRECT_FORMS = 256
+#: The forms of a dialect whose SQLAlchemy is not what this module was written for (an empty
+#: dict, kept empty: every statement on it runs through Connection.execute).
+_OFF: dict[int, _Direct | None] = {}
+
+#: The names of SQLAlchemy's compiled statement (SQLCompiler) this module uses.
+_COMPILED_NAMES = ("string", "positional", "positiontup", "bind_names", "post_compile_params",
+                   "literal_execute_params", "escaped_bind_names", "insert_prefetch", "update_prefetch",
+                   "construct_params", "construct_expanded_state")
+#: The expanded state's (construct_expanded_state's) names it uses.
+_EXPANDED_NAMES = ("statement", "parameters", "positiontup", "processors")
+
+
+def _fastpath_unsound(dialect: Any) -> str | None:
+    """Why this module's use of SQLAlchemy's private names would not do on ``dialect``, or
+    None: each name is there, and a probe statement (a bound value and an expanding list) comes
+    out as Connection.execute would send it. Asked once per dialect (_direct_form)."""
+    try:
+        if BindTyping is None or not hasattr(dialect, "bind_typing"):
+            return "no BindTyping"
+        if not callable(getattr(Connection, "_autobegin", None)):
+            return "no Connection._autobegin"
+        t = sa.table("jobq_probe", sa.column("a", sa.Integer), sa.column("b", sa.Integer))
+        stmt = sa.select(t.c.a).where(t.c.a == sa.bindparam("x", 2, type_=sa.Integer),
+                                      t.c.b.in_(sa.bindparam("ids", [3, 4], expanding=True)))
+        compiled = stmt.compile(dialect=dialect)
+        missing = [n for n in _COMPILED_NAMES if not hasattr(compiled, n)]
+        if missing:
+            return "the compiled statement has no " + ", ".join(missing)
+        if [b.key for b in compiled.post_compile_params] != ["ids"] or "__[POSTCOMPILE_ids]" not in compiled.string:
+            return "an expanding list is not compiled as a POSTCOMPILE mark"
+        if sorted(compiled.bind_names.values()) != ["ids", "x"]:
+            return "unexpected bind_names"
+        state = compiled.construct_expanded_state({"x": 2, "ids": [3, 4]})
+        missing = [n for n in _EXPANDED_NAMES if not hasattr(state, n)]
+        if missing:
+            return "the expanded state has no " + ", ".join(missing)
+        # What Connection.execute sends is what the public render_postcompile renders
+        rendered = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+        if state.statement != rendered.string:
+            return "construct_expanded_state renders another statement"
+        values = dict(state.parameters)
+        sent = [values[k] for k in state.positiontup or ()] if compiled.positional else sorted(values.values())
+        if sent != [2, 3, 4]:
+            return f"construct_expanded_state sends {sent!r} for [2, 3, 4]"
+    except Exception as exc:  # noqa: BLE001 - any surprise means: not this fast path
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
@@ -1958,13 +2043,17 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
     input sizes, or column defaults computed in Python."""
     forms = _DIRECT.get(dialect)
     if forms is None:
-        forms = _DIRECT[dialect] = {}
+        why = _fastpath_unsound(dialect)
+        if why is not None:
+            logger.warning("jobq: statements on %s run through Connection.execute: this SQLAlchemy (%s) is not "
+                         "what the cursor fast path was written for (%s)", dialect.name, sa.__version__, why)
+        forms = _DIRECT[dialect] = {} if why is None else _OFF
     # A form holds its statement, so its id is not reused; at worst a reused id finds None and
     # its statement runs through Connection.execute.
     key = id(stmt)
     if key in forms:
         return forms[key]
-    if len(forms) >= _DIRECT_FORMS:
+    if forms is _OFF or len(forms) >= _DIRECT_FORMS:
         return None  # a statement built per call would grow the cache without bound
     form: _Direct | None = None
     compiled = stmt.compile(dialect=dialect)
@@ -1991,8 +2080,9 @@ def _direct_form(dialect: Any, stmt: Any) -> _Direct | None:
 
 def _direct(conn: Connection) -> bool:
     """Whether statements may bypass Connection.execute on ``conn``: not when anything watches
-    its statements (cursor-execute listeners, SQLAlchemy's statement log, schema translation)."""
-    return not (conn.dispatch.before_cursor_execute or conn.dispatch.after_cursor_execute
+    its statements (cursor-execute listeners, SQLAlchemy's statement log, schema translation),
+    nor anywhere with JOBQ_FASTPATH=0."""
+    return _FASTPATH and not (conn.dispatch.before_cursor_execute or conn.dispatch.after_cursor_execute
                 or conn.engine.logger.isEnabledFor(logging.INFO)
                 or "schema_translate_map" in conn.get_execution_options())
 
@@ -2643,9 +2733,7 @@ def _pause_for(engine: Engine, seconds: float) -> None:
     if engine.dialect.is_async:
         import asyncio
 
-        from sqlalchemy.util import await_only
-
-        await_only(asyncio.sleep(seconds))
+        _await_only(asyncio.sleep(seconds))
     else:
         time.sleep(seconds)
 
@@ -8238,10 +8326,9 @@ _SYNC: dict[str, Callable[..., Any]] = {fn.__name__: fn for fn in (
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
     async def twin(target: Any, *args: Any, **kwargs: Any) -> _T:
         from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
-        from sqlalchemy.util import greenlet_spawn
 
         if isinstance(target, AsyncEngine):
-            return await greenlet_spawn(fn, target.sync_engine, *args, **kwargs)  # type: ignore[no-any-return]
+            return await _greenlet_spawn(fn, target.sync_engine, *args, **kwargs)  # type: ignore[no-any-return]
         if isinstance(target, (AsyncConnection, AsyncSession)):
             # the caller's transaction, as with a sync Session/Connection
             return await target.run_sync(lambda sync: fn(sync, *args, **kwargs))  # type: ignore[arg-type]
@@ -8367,9 +8454,7 @@ class AsyncWorker(_WorkerCore):
             raise
 
     async def _bridge(self, fn: Callable[..., _T], *args: Any) -> _T:
-        from sqlalchemy.util import greenlet_spawn
-
-        return await greenlet_spawn(fn, *args)  # type: ignore[no-any-return]
+        return await _greenlet_spawn(fn, *args)  # type: ignore[no-any-return]
 
     async def _nap(self, seconds: float) -> None:
         import asyncio
@@ -8474,8 +8559,6 @@ async def _in_bridge(coro: Any) -> Any:
     future it yields is waited for (and cancelled with the task), then it is resumed."""
     import asyncio
 
-    from sqlalchemy.util import await_only, greenlet_spawn
-
     async def step(fut: Any) -> None:
         if fut is None:  # a bare yield (asyncio.sleep(0)): give the loop one turn
             await asyncio.sleep(0)
@@ -8496,11 +8579,11 @@ async def _in_bridge(coro: Any) -> Any:
                 return stop.value
             error = None
             try:
-                await_only(step(fut))
+                _await_only(step(fut))
             except BaseException as exc:  # noqa: BLE001 - delivered into the handler, as a Task would
                 error = exc
 
-    return await greenlet_spawn(drive)
+    return await _greenlet_spawn(drive)
 
 
 class _AioNamespace:

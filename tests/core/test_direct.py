@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 from typing import Any
 
 import pytest
@@ -22,6 +23,13 @@ from dbs import only
 from helpers import FAST
 
 jobs = jobq.Job.__table__
+
+
+@pytest.fixture(autouse=True)
+def _the_cursor_path_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the cursor path: on, whatever JOBQ_FASTPATH says (the suite also
+    runs with JOBQ_FASTPATH=0, where everything else runs through Connection.execute)."""
+    monkeypatch.setattr(jobq, "_FASTPATH", True)
 
 
 def _noop(ctx: jobq.JobContext) -> None:
@@ -453,3 +461,77 @@ def test_a_positional_order_that_keeps_the_lists_place_is_caught(monkeypatch: py
     monkeypatch.setattr(form, "literal_order", form.order)
     with pytest.raises(KeyError):
         _check_positional(form, params, monkeypatch)
+
+
+# ---- the switch and the check: Connection.execute whenever the cursor path is off --------------
+
+_DRAIN_SCRIPT = """
+import json, sys
+import sqlalchemy as sa
+import jobq
+on_cursor, executed = [], []
+real_cursor, real_execute = jobq._on_cursor, sa.Connection.execute
+jobq._on_cursor = lambda conn, form, params, rows: on_cursor.append(1) or real_cursor(conn, form, params, rows)
+sa.Connection.execute = lambda self, *a, **k: executed.append(1) or real_execute(self, *a, **k)
+engine = sa.create_engine(sys.argv[1])
+ids = [jobq.enqueue(engine, "t", group_key=f"g{i % 3}") for i in range(20)]
+w = jobq.Worker(engine, {"t": lambda ctx: None}, max_concurrency=8, poll_interval=0.02)
+assert w.run_until_idle(timeout=60)
+states = sorted({jobq.get(engine, i).state for i in ids})
+print(json.dumps({"switch": jobq._FASTPATH, "on_cursor": len(on_cursor), "executed": len(executed), "states": states}))
+"""
+
+
+def _drain_in_a_process(engine: sa.Engine, fastpath: str | None) -> dict[str, Any]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JOBQ_FASTPATH"}
+    if fastpath is not None:
+        env["JOBQ_FASTPATH"] = fastpath
+    url = engine.url.render_as_string(hide_password=False)
+    out = subprocess.run([sys.executable, "-c", _DRAIN_SCRIPT, url], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_jobq_fastpath_0_runs_a_drain_entirely_through_connection_execute(engine: sa.Engine) -> None:
+    """JOBQ_FASTPATH=0, read at import: nothing runs on the cursor, every statement goes through
+    Connection.execute, and the drain completes. The same drain without it (the contrast that
+    makes this able to fail: a switch that is not read) does run statements on the cursor."""
+    off = _drain_in_a_process(engine, "0")
+    assert off["switch"] is False and off["on_cursor"] == 0 and off["executed"] > 20 and off["states"] == ["done"]
+    on = _drain_in_a_process(engine, None)
+    assert on["switch"] is True and on["on_cursor"] > 20 and on["states"] == ["done"]
+
+
+def _drain_with_a_renamed_private_name(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
+                                       caplog: pytest.LogCaptureFixture) -> tuple[list[Any], list[str]]:
+    """_drain on a fresh dialect whose compiled statements (as the check sees them) lack
+    construct_expanded_state, as a SQLAlchemy that renamed it would: the statements that ran
+    on the cursor and the warnings logged."""
+    names = tuple("construct_expanded_state_renamed" if n == "construct_expanded_state" else n for n in jobq._COMPILED_NAMES)
+    monkeypatch.setattr(jobq, "_COMPILED_NAMES", names)
+    assert engine.dialect not in jobq._DIRECT  # a fresh engine: its dialect not yet checked
+    caplog.set_level(logging.WARNING, logger="jobq")
+    seen = _on_cursor_calls(engine, monkeypatch)
+    warned = [r.getMessage() for r in caplog.records if r.name == "jobq" and "run through Connection.execute" in r.getMessage()]
+    return seen, warned
+
+
+def test_a_sqlalchemy_without_an_expected_private_name_falls_back_to_connection_execute(
+        engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert jobq._fastpath_unsound(engine.dialect) is None  # this SQLAlchemy is the one it was written for
+    seen, warned = _drain_with_a_renamed_private_name(engine, monkeypatch, caplog)
+    assert seen == []  # _drain checked every job done once, through Connection.execute
+    assert len(warned) == 1 and "construct_expanded_state_renamed" in warned[0], warned
+
+
+def test_a_check_that_does_not_fall_back_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """BROKEN: the check passes whatever it finds: statements still go to the cursor, unwarned."""
+    monkeypatch.setattr(jobq, "_fastpath_unsound", lambda dialect: None)
+    seen, warned = _drain_with_a_renamed_private_name(engine, monkeypatch, caplog)
+    assert seen and warned == []

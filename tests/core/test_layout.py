@@ -13,7 +13,9 @@ An AST walk over the modules of ``jobq/``:
   (jobq/__init__.py's import order), nothing else, at module level or inside a function
   (annotations may name a later module's class under ``if TYPE_CHECKING:``: nothing runs);
 * ``__all__`` is sorted and names only public names the package defines;
-* every module is in ``_MODULES``, and none is longer than ``MAX_LINES``.
+* every module is in ``_MODULES``, and none is longer than ``MAX_LINES``;
+* SQLAlchemy's private names (non-public modules, compiled-statement internals,
+  ``conn._autobegin``) are used only in the fast path (private_sqlalchemy).
 
 Run it as a script for the figures: ``python tests/core/test_layout.py`` prints the violations
 and the lines per module.
@@ -282,3 +284,51 @@ def test_checker_flags_bad_surface(src: dict[str, str], what: str) -> None:
 
 if __name__ == "__main__":
     print(report(package()))
+
+
+# ---- SQLAlchemy's private names: only in the fast path -----------------------------------------
+
+#: SQLAlchemy's modules that are its public API (import from anything else is private).
+SQLALCHEMY_PUBLIC = frozenset({"sqlalchemy", "sqlalchemy.engine", "sqlalchemy.orm", "sqlalchemy.exc", "sqlalchemy.event",
+                               "sqlalchemy.types", "sqlalchemy.ext.compiler", "sqlalchemy.ext.asyncio"})
+#: The private or semi-private names the fast path uses (attributes of compiled statements,
+#: connections and dialects).
+SQLALCHEMY_PRIVATE_ATTRS = frozenset({"_autobegin", "construct_expanded_state", "post_compile_params",
+                                      "literal_execute_params", "escaped_bind_names", "insert_prefetch",
+                                      "update_prefetch", "positiontup", "bind_names", "bind_typing", "dispatch",
+                                      "_execution_options", "_connection_record"})
+#: Names whose private attributes are SQLAlchemy's (a Connection, Engine, Dialect, compiled).
+SQLALCHEMY_OBJECTS = frozenset({"conn", "connection", "dialect", "engine", "compiled", "sa"})
+
+
+def private_sqlalchemy(module: str, source: str) -> list[str]:
+    """Where ``source`` uses a SQLAlchemy private name: an import from a non-public module, a
+    known private attribute, or ``conn._x``-style access on a SQLAlchemy object."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sqlalchemy":
+            if node.module not in SQLALCHEMY_PUBLIC and not node.module.startswith("sqlalchemy.dialects"):
+                found.append(f"{module}:{node.lineno} from {node.module} import")
+        elif isinstance(node, ast.Attribute):
+            base = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
+            if node.attr in SQLALCHEMY_PRIVATE_ATTRS or (
+                    node.attr.startswith("_") and not node.attr.startswith("__") and base in SQLALCHEMY_OBJECTS):
+                found.append(f"{module}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_only_the_fast_path_uses_sqlalchemys_private_names() -> None:
+    """A SQLAlchemy release that changes them can break one module, which checks them once per
+    engine and falls back to Connection.execute (tests/core/test_direct.py)."""
+    found = [hit for path in sorted(PACKAGE.glob("*.py")) if path.stem != "fastpath"
+             for hit in private_sqlalchemy(path.stem, path.read_text())]
+    assert found == []
+    assert private_sqlalchemy("fastpath", (PACKAGE / "fastpath.py").read_text())  # and the check sees them there
+
+
+@pytest.mark.parametrize("broken", ["def f(conn):\n    conn._autobegin()\n",
+                                    "def f():\n    from sqlalchemy.util import await_only\n",
+                                    "def f(c):\n    return c.compiled.positiontup\n",
+                                    "def f(engine):\n    return engine.dialect._json_serializer\n"])
+def test_a_private_sqlalchemy_name_outside_the_fast_path_is_caught(broken: str) -> None:
+    assert private_sqlalchemy("jobs", broken)
