@@ -133,6 +133,37 @@ CLAIM_WINDOW = 64
 _GROUP_CURSORS: weakref.WeakKeyDictionary[Engine, dict[Any, str]] = weakref.WeakKeyDictionary()
 
 
+def _claim_window(groups: Sequence[str], cursor: str, size: int) -> tuple[list[str], str]:
+    """The claim window's choice, on plain values: of ``groups`` (every group with ready work, in
+    key order), the first ``size`` in cycle order from after ``cursor`` (those after it, then
+    from the first up to it, each once), and the cursor the next claim starts from: "" once
+    every group was taken, else the last group taken. _GroupScan.take makes the same choice a
+    bounded scan at a time, never holding every group (tests/core/test_claim_window.py checks
+    the two agree; tests/fairness/sim.py runs this one)."""
+    if size <= 0 or not groups:  # nothing taken: the cursor stays
+        return [], cursor
+    after = [g for g in groups if g > cursor]
+    if cursor and len(after) >= size:  # the scan after the cursor filled the window: no wrap
+        return after[:size], after[size - 1]
+    cycle = after + [g for g in groups if g <= cursor] if cursor else list(groups)
+    window = cycle[:size]
+    return window, _window_cursor(window, len(cycle) <= size)
+
+
+def _window_cursor(taken: Sequence[str], done: bool) -> str:
+    """Where the next claim window starts after one that took ``taken``: from the first group
+    again once every group was taken (one scan instead of a scan after the cursor that finds
+    nothing and a second one), else after the last group taken."""
+    return "" if done else taken[-1]
+
+
+def _served_cursor(cursor: str, served: Iterable[str]) -> str:
+    """The cursor once the claim leased to ``served``: after the last of them in key order, so
+    groups of the window that got nothing (idle groups beyond the free slots) are ranked again
+    (the starvation bound of G - 1 + S slot grants); a window that took every group ("") stays."""
+    return max(served) if cursor else cursor
+
+
 def _concat_ids(runnable: int, ids: str | None, limit: int) -> list[int] | None:
     """A group's runnable ids from _q_ready_groups_ranged_read ("12;15;"), or None where the
     window read must read them instead: more than ``limit`` of them (the weight would not be
@@ -217,9 +248,7 @@ class _GroupScan:
                 else:
                     self.wrapped, self.pos = True, ""
         if out:
-            # Every group taken (done): the next claim starts from the first again, with one
-            # scan instead of a scan after the cursor that finds nothing and a second one.
-            self.cursors[self.key] = "" if self.done else out[-1]
+            self.cursors[self.key] = _window_cursor(out, self.done)
         return out
 
     def _next(self, n: int) -> list[str]:
@@ -260,11 +289,9 @@ class _GroupScan:
         return got + keys
 
     def served(self, groups: Iterable[str]) -> None:
-        """The next window starts after the last group (in key order) this claim leased to,
-        so groups of this window that got nothing (idle groups beyond the free slots) are
-        ranked again: that keeps the starvation bound at G - 1 + S slot grants."""
+        """The next window starts after the last group this claim leased to (_served_cursor)."""
         if not self.done and self.cursors.get(self.key):
-            self.cursors[self.key] = max(groups)
+            self.cursors[self.key] = _served_cursor(self.cursors[self.key], groups)
 
 
 def _lock_claim(conn: Connection, d: _Dialect, pin: bool = False) -> tuple[tuple[int, int], GlobalLimit]:

@@ -16,25 +16,14 @@ class SimResult:
     grants: int
 
 
-def next_window(found: list[str], cursor: str, size: int) -> tuple[list[str], str]:
-    """The claim's window (jobq._GroupScan) when every group has runnable work: the first
-    ``size`` of ``found`` (the groups after the cursor, then wrapped), and the next cursor."""
-    window = list(found[:size])
-    if len(window) < size:  # every group taken: the next window starts from the first
-        return sorted(window), ""
-    return sorted(window), window[-1]
-
-
-def claim_window(groups: list[str], cursor: str, free: int, next_window=next_window) -> tuple[list[str], str]:
-    """Groups after the cursor in key order, then from the first (wrapped), as the claim scans."""
-    after = [g for g in groups if g > cursor][:free]
-    if len(after) < free and cursor:
-        after += [g for g in groups if g <= cursor][: free - len(after)]
-    return next_window(after, cursor, free)
+#: The claim's own window choice (what jobq._GroupScan takes a bounded scan at a time) and its
+#: cursor after leasing: run here, not copied.
+claim_window = jobq._claim_window
+served_cursor = jobq._served_cursor
 
 
 def simulate(weights: dict[str, int], durations: dict[str, int], slots: int, ticks: int,
-             allocate=jobq.allocate, window: bool = False, next_window=next_window,
+             allocate=jobq.allocate, window: bool = False, claim_window=claim_window,
              reweigh: dict[int, dict[str, int]] | None = None, window_min: int = jobq.CLAIM_WINDOW) -> SimResult:
     """``window``: rank only the claim's window of groups (as the database claim does);
     ``reweigh``: tick -> new weights from that tick on (set_group at run time)."""
@@ -56,12 +45,13 @@ def simulate(weights: dict[str, int], durations: dict[str, int], slots: int, tic
         free = slots - len(running)
         ranked = order
         if window and free > 0:
-            ranked, cursor = claim_window(order, cursor, max(free, window_min), next_window)
+            ranked, cursor = claim_window(order, cursor, max(free, window_min))
+            ranked = sorted(ranked)
         out = allocate(free, dict.fromkeys(ranked, 10**6), weights=weights, in_flight=in_flight, last_start=last_start)
-        if window and cursor and out:
+        if window and out:
             # the next window starts after the last group served, so groups of this window
             # that got nothing are ranked again (jobq._GroupScan.served)
-            cursor = max(out)
+            cursor = served_cursor(cursor, out)
         for g in weights:  # every group stays backlogged
             if in_flight[g] == 0 and g not in out:
                 passed_over[g] += sum(out.values())
