@@ -17,14 +17,16 @@ from helpers import wait_for
 NOW = dt.datetime(2030, 1, 1)
 
 
-def _plans(engine: sa.Engine, stmt: sa.Executable) -> str:
-    params: tuple[Any, ...] = ()
+def _plans(engine: sa.Engine, stmt: sa.Executable, **values: Any) -> str:
+    """The plan of ``stmt``; ``values`` are bound through the compiled statement, which reaches
+    binds inside CTEs (``stmt.params()`` does only from SQLAlchemy 2.1.3)."""
+    params: Any = ()
     if isinstance(stmt, sa.TextClause):
         sql = stmt.text
     elif engine.dialect.name == "sqlite":
         # Bound, not literal: a list bound as one JSON array (json_id_lists) has no literal form.
         compiled = stmt.compile(engine)
-        state = compiled.construct_expanded_state()
+        state = compiled.construct_expanded_state(values)
         values = dict(state.parameters)
         procs = {name: b.type.dialect_impl(engine.dialect).bind_processor(engine.dialect)
                  for b, name in compiled.bind_names.items()}  # one per name: a bind may be cloned
@@ -33,12 +35,14 @@ def _plans(engine: sa.Engine, stmt: sa.Executable) -> str:
                 values[name] = proc(values[name])
         sql, params = state.statement, tuple(values[name] for name in state.positiontup or ())
     else:
-        sql = str(stmt.compile(engine, compile_kwargs={"literal_binds": True, "render_postcompile": True}))
+        state = stmt.compile(engine).construct_expanded_state(values)
+        sql, params = state.statement, state.parameters
+        assert None not in params.values(), f"unbound: {params}"
     with engine.connect() as conn:
         if engine.dialect.name == "sqlite":
             return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}", params))
         conn.exec_driver_sql("SET enable_seqscan = off")  # tiny tables: make the planner show its options
-        out = " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {sql}"))
+        out = " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {sql}", params))
         conn.rollback()
         return out
 
@@ -207,14 +211,19 @@ def test_stats_reads_only_indexes(engine: sa.Engine) -> None:
         conn.rollback()
 
 
-def _lock_chosen_plan(engine: sa.Engine, stmt: sa.Select, ids: list[int]) -> str:
+def _lock_chosen_plan(engine: sa.Engine, stmt: sa.Select, ids: list[int], **values: Any) -> str:
+    """The plan of a locking read by ids, its values bound through the compiled statement:
+    ``stmt.params()`` before SQLAlchemy 2.1.3 does not reach the binds inside a statement's
+    CTEs (they rendered as literal NULL), while ``construct_params`` fills every bind the
+    compiler rendered."""
+    values = {"b_ids": ids, "b_now": NOW, **values}
     if engine.dialect.name == "sqlite":
-        return _plans(engine, stmt.params(b_ids=ids, b_now=NOW))
-    sql = str(stmt.params(b_ids=ids, b_now=NOW).compile(engine, compile_kwargs={"literal_binds": True,
-                                                                              "render_postcompile": True}))
+        return _plans(engine, stmt, **values)
+    state = stmt.compile(engine).construct_expanded_state(values)
+    assert None not in state.parameters.values(), f"unbound: {state.parameters}"
     with engine.connect() as conn:
         jobq._prepare(engine).pin_index_plans(conn)  # as inside a claim
-        out = " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {sql}"))
+        out = " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {state.statement}", state.parameters))
         conn.rollback()
         return out
 
@@ -250,13 +259,12 @@ def test_the_claims_one_statement_lock_and_lease_goes_by_primary_key(engine: sa.
         ids = list(conn.execute(sa.text("SELECT id FROM jobs ORDER BY id LIMIT 64")).scalars())
     d = _d(engine)
     lease = dict(b_owner="w", b_token="t" * 32, b_state="running", b_expires=NOW)
-    chosen = jobq._q_lock_and_lease(d, "chosen", lambda: jobq._q_lock_chosen(d)).params(**lease)
-    plan = _lock_chosen_plan(engine, chosen, ids)
+    chosen = jobq._q_lock_and_lease(d, "chosen", lambda: jobq._q_lock_chosen(d))
+    plan = _lock_chosen_plan(engine, chosen, ids, **lease)
     assert "Seq Scan" not in plan and "ix_jobs_ready" not in plan, plan
     assert plan.count("jobs_pkey") >= 2, plan  # the locking read's probes and the UPDATE's join
-    typed = jobq._q_lock_and_lease(d, "candidates:True", lambda: jobq._q_candidates(d, True)).params(
-        b_group="g1", b_types=["t"], b_limit=10, b_now=NOW, **lease)
-    plan = _plans(engine, typed)
+    typed = jobq._q_lock_and_lease(d, "candidates:True", lambda: jobq._q_candidates(d, True))
+    plan = _plans(engine, typed, b_group="g1", b_types=["t"], b_limit=10, b_now=NOW, **lease)
     assert "Seq Scan" not in plan and "ix_jobs_ready" in plan and "jobs_pkey" in plan, plan
 
 
