@@ -7327,7 +7327,9 @@ class _WorkerCore:
     # -- public control --------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask ``run`` to stop claiming and shut down gracefully (thread- and signal-safe)."""
+        """Ask ``run`` to stop claiming and shut down gracefully. Thread-safe; ``run`` on the main
+        thread stops on SIGTERM and SIGINT by itself (call this from another thread, not from a
+        signal handler of your own on the thread that runs the worker)."""
         self._stopping.set()
         self._wake.set()
 
@@ -8104,15 +8106,41 @@ class Worker(_WorkerCore):
                 sent = None
 
     def _install_signals(self) -> Callable[[], None]:
+        # A signal handler runs on the main thread between two bytecodes, possibly while that
+        # thread holds the lock inside the tick loop's threading.Event.wait() or .clear(): a
+        # handler that called stop() there would wait for that lock forever. So the handler
+        # only writes a byte to a pipe (no lock) and a watcher thread calls stop().
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        owner = os.getpid()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            # A forked handler process inherits this handler and ignores the signal: its fate
+            # is its parent's graceful stop (shutdown_timeout), as for a thread.
+            if os.getpid() == owner:
+                with contextlib.suppress(OSError):  # full: a byte already waits for the watcher
+                    os.write(w, b"s")
+
+        def watch() -> None:
+            while os.read(r, 1) == b"s":
+                self.stop()
+            os.close(r)
+
+        watcher = threading.Thread(target=watch, name="jobq-signals", daemon=True)
+        watcher.start()
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         for s in previous:
-            signal.signal(s, lambda signum, frame: self.stop())
+            signal.signal(s, on_signal)
 
         def restore() -> None:
             for s, h in previous.items():
                 signal.signal(s, h)
+            os.set_blocking(w, True)
+            os.write(w, b"x")  # the watcher's last byte
+            watcher.join()
+            os.close(w)
 
         return restore
 

@@ -551,7 +551,12 @@ def test_worker_command_runs_the_operators_handlers_and_stops_on_sigterm(db_url:
             time.sleep(0.05)
     finally:
         p.terminate()
-        _, err = p.communicate(timeout=30)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()  # leave no process behind for the next test
+            p.communicate()
+            raise
     assert p.returncode == 0
     assert jobq.get(eng, jid).result == {"greeting": "hi ops"}  # type: ignore[union-attr]
     assert "worker cli-w1 started: types hello" in err and "worker cli-w1 stopped" in err

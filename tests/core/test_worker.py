@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -211,6 +215,46 @@ def test_stop_releases_unfinished_jobs_without_charging_an_attempt(engine: sa.En
     assert not t.is_alive()
     info = jobq.get(engine, jid)
     assert info is not None and (info.state, info.attempts, info.lease_owner) == ("ready", 0, None)
+
+
+# A signal handler runs on the main thread between two bytecodes, so it may run while that
+# thread holds the lock inside the tick loop's threading.Event. The child below holds it, as
+# Event.wait() and .clear() do, and signals itself: a handler that takes that lock (the broken
+# variant: stop() from the handler, as run() once installed) never returns.
+_SIGTERM_UNDER_THE_WAKE_LOCK = """
+    import os, signal, sys
+    import sqlalchemy as sa
+    import jobq
+    worker = jobq.Worker(sa.create_engine(sys.argv[1]), {"x": lambda ctx: None}, max_concurrency=1)
+    if sys.argv[2] == "broken":
+        def install():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, lambda signum, frame: worker.stop())
+            return lambda: None
+        worker._install_signals = install
+    restore = worker._install_signals()
+    with worker._wake._cond:  # the main thread holds the wake Event's lock
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs on this thread, now
+        sum(range(1000))
+    worker._stopping.wait()
+    restore()
+    print("stopped")
+"""
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sigterm_stops_a_worker_whose_main_thread_holds_the_wake_lock(tmp_path: pathlib.Path, broken: bool) -> None:
+    """No engine code: the signal path is the same on every engine."""
+    args = [sys.executable, "-c", textwrap.dedent(_SIGTERM_UNDER_THE_WAKE_LOCK), f"sqlite:///{tmp_path / 'q.db'}",
+            "broken" if broken else "fixed"]
+    here = pathlib.Path(jobq.__file__).resolve().parent  # the package, or the single file's folder
+    env = {"PYTHONPATH": str(here.parent if (here / "__init__.py").exists() else here)}
+    if broken:  # deadlocked: no time is long enough, so a few seconds show it
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run(args, env=env, capture_output=True, text=True, timeout=5)
+        return
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "stopped"), out.stderr
 
 
 def test_handlers_see_lease_loss_through_their_context(engine: sa.Engine) -> None:
