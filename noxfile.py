@@ -43,7 +43,7 @@ TEST_DEPS = ["-e", ".[test]"]
 # The fair-share properties and tick simulations need no database and take most of a run on a
 # machine without servers: they run in `fairness` (which CI runs), so the README's `tests` stays
 # about a minute there. Their Worker-level checks against the databases stay here.
-CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/fairness/test_integration.py",
+CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/docs", "tests/fairness/test_integration.py",
                "tests/fairness/test_integration_at_scale.py", "tests/web"]
 
 
@@ -288,3 +288,15 @@ def lint(session: nox.Session) -> None:
     session.install("ruff", "mypy", "SQLAlchemy>=2.0")
     session.run("ruff", "check", "jobq", "jobq_web.py", "packaging", "tests", "bench", "scenarios", "docs", "noxfile.py")
     session.run("mypy", "jobq", "jobq_web.py", "packaging/single_file.py")
+
+
+DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"]
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with `mkdocs build --strict`: a broken link, anchor or API
+    reference fails (docs/hooks/reference.py renders the CLI and schema reference pages)."""
+    session.install("-e", ".", *DOCS_DEPS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(pathlib.Path(session.create_tmp()) / "site"),
+                *session.posargs)

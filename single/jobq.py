@@ -3128,7 +3128,11 @@ def fair_share(
 
     Args:
         candidates: group -> its ready jobs, oldest first.
-        free, weights, in_flight, caps, last_start: as for :func:`allocate`.
+        free: slots to fill, as for :func:`allocate`.
+        weights: as for :func:`allocate`.
+        in_flight: as for :func:`allocate`.
+        caps: as for :func:`allocate`.
+        last_start: as for :func:`allocate`.
 
     Returns:
         The chosen jobs, group by group in group-name order.
