@@ -360,22 +360,21 @@ def test_enqueue_options_map_onto_enqueue(db_url: str, capsys: pytest.CaptureFix
     eng.dispose()
 
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    return text[start:text.index("\n## ", start + 1)]
+def _cli_guide() -> str:
+    """The command line guide of the docs site, whose first example every new user copies."""
+    return (ROOT / "docs" / "guides" / "cli.md").read_text()
 
 
 def _blocks(section: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
 
 
-def test_the_readme_command_line_examples_run_on_a_fresh_database(tmp_path: pathlib.Path,
+def test_the_cli_guide_examples_run_on_a_fresh_database(tmp_path: pathlib.Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """Every line of the README's command-line example, verbatim, in order, on a database that
+    """Every line of the command line guide's example (docs/guides/cli.md), verbatim, in order, on a database that
     does not exist yet; the ids its comments promise; the status it shows; and the worker line
     with an app of those types. Today `--after 12` fails on a fresh database."""
-    section = _readme_section("The command line")
+    section = _cli_guide()
     lines = [shlex.split(line, comments=True) for line in _blocks(section, "sh")[0].splitlines() if line.strip()]
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     worker = [args for args in lines if args[1] == "worker"]
@@ -404,7 +403,7 @@ def test_the_readme_command_line_examples_run_on_a_fresh_database(tmp_path: path
     try:
         deadline = time.monotonic() + 30
         while jobq.get(eng, 1).state != "done":  # type: ignore[union-attr]
-            assert time.monotonic() < deadline and p.poll() is None, "the README's worker did not run job 1"
+            assert time.monotonic() < deadline and p.poll() is None, "the guide's worker did not run job 1"
             time.sleep(0.05)
     finally:
         p.send_signal(signal.SIGTERM)

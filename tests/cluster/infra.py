@@ -42,7 +42,7 @@ DBNAME = "jobq_cluster"
 #: lock row, a heartbeat between its UPDATE and COMMIT) keeps its locks until the server notices
 #: the client is gone, which by the kernel's defaults takes two hours. Probe idle connections
 #: (keepalives: 1 s idle, then 3 probes 1 s apart), give up on unacknowledged sends after 3 s, and
-#: check a running query's client every second. README "Several hosts" asks users for the same.
+#: check a running query's client every second. docs/guides/several-hosts.md asks users for the same.
 SERVER_DROPS_DEAD_CLIENTS = ("tcp_keepalives_idle = 1\ntcp_keepalives_interval = 1\ntcp_keepalives_count = 3\n"
                              "tcp_user_timeout = 3000\nclient_connection_check_interval = 1000\n")
 #: Where the suite keeps its instances, so a run killed half-way is cleaned by the next one.

@@ -96,3 +96,28 @@ def test_layout_lists_every_scenario() -> None:
     text = (ROOT / "docs" / "internals" / "layout.md").read_text()
     for script in sorted((ROOT / "scenarios").glob("*.py")):
         assert f"`{script.name}`" in text, script.name
+
+
+QUICK_START = """\
+python3 -m pip install nox && python3 -m nox -s demo     # a small DAG on SQLite: jobs, order, results
+python3 -m nox -s tests                                   # the test suite: SQLite, plus servers you name
+"""
+
+
+def test_readme_is_a_short_landing_page_with_the_quick_start() -> None:
+    """The README is the front door (at most 200 lines); its two Quick start commands stay
+    verbatim (the demo and tests sessions they name must exist), and every page it links exists."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    assert f"```sh\n{QUICK_START}```" in text
+    nox = (ROOT / "noxfile.py").read_text()
+    assert 'nox.options.sessions = ["demo", "tests"]' in nox and "def demo(" in nox and "def tests(" in nox
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)
+    assert links and all((ROOT / link).exists() for link in links), [li for li in links if not (ROOT / li).exists()]
+
+
+def test_no_work_history_in_the_product_text() -> None:
+    """The text describes the product as it is: no "stop N" jargon of how it was built."""
+    pages = [*PAGES, ROOT / "CHANGELOG.md"]
+    hits = [(p.name, m.group(0)) for p in pages for m in re.finditer(r"(?i)\bstop \d+", p.read_text())]
+    assert hits == []

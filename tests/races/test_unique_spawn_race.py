@@ -3,7 +3,7 @@
 Dispatch A (a claimed job, its lease live) spawns X with ``unique_key="k"`` as ctx.enqueue
 does (a transaction of its own; X is ``held`` under A's lease until A's result commits, and
 deleted if A fails), while an outsider calls ``enqueue(unique_key="k")``. Correct, however the
-two interleave (README, "Unique jobs"): the spawn gets a job id, never an error; the outsider
+two interleave (docs/guides/long-running.md, "Unique jobs"): the spawn gets a job id, never an error; the outsider
 either gets ``UniqueKeyHeld`` naming X and A (the key is another dispatch's held spawn) and,
 retrying once A's result has committed, gets the released X (or a new job if A failed and X
 was deleted), or it got there first and A's spawn is handed the outsider's job. Afterwards
