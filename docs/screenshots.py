@@ -1,4 +1,4 @@
-"""Regenerate the dashboard screenshots in docs/ (shown in the README's "Dashboard" section).
+"""Regenerate the dashboard screenshots in docs/ (shown on the docs site's Dashboard page, docs/guides/dashboard.md).
 
 What this does: fills a fresh SQLite queue with a small, realistic picture (an ETL DAG with a
 container, three tenants sharing the slots, an hour of finished jobs, a failure with its
