@@ -295,7 +295,9 @@ DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"]
 
 @nox.session(default=False)
 def docs(session: nox.Session) -> None:
-    """Build the documentation site with `mkdocs build --strict`: a broken link, anchor or API
-    reference fails (docs/hooks/reference.py renders the CLI and schema reference pages)."""
-    session.install("-e", ".", *DOCS_DEPS)
+    """Build the documentation site with `mkdocs build --strict` (a broken link, anchor or API
+    reference fails), then open it in headless chromium (tests/site)."""
+    session.install("-e", ".[test]", *DOCS_DEPS)
     session.run("mkdocs", "build", "--strict", *session.posargs)  # into site/ (git-ignored)
+    # The built site in headless chromium: title, navigation, a highlighted example, the references.
+    session.run("pytest", "tests/site", env={"JOBQ_TEST_DIALECTS": "sqlite"})
