@@ -64,6 +64,11 @@ def seed(engine: sa.Engine) -> int:
             jobq.enqueue(engine, "resize", {"image": f"{group}/{i}.png"}, group_key=group, weight=w)
     jobq.claim_batch(engine, "web-1:4711", 30, limit=4, types=["resize"])
     jobq.claim_batch(engine, "web-2:5120", 30, limit=3, types=["resize"])
+    # stored policy, shown in the groups' rows: a weight, a cap and a rate, and a paused tenant
+    jobq.set_group(engine, "tenant-a", weight=3, max_in_flight=4, rate_limit="120/1m")
+    jobq.set_group(engine, "tenant-b", max_in_flight=2)
+    jobq.set_group(engine, "tenant-c", paused=True)
+    jobq.set_limit(engine, max_in_flight=16)
     jobq.enqueue(engine, "send-digest", {"to": "ops@example.com"}, run_after=dt.timedelta(minutes=20))
     return ids["transform"]
 
