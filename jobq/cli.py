@@ -42,7 +42,7 @@ from .sql import (
 from .validate import _MAX_RATE_STARTS, _MAX_SLOTS, _MAX_WEIGHT, _MIN_RATE_PERIOD, _one_line, _seconds, _type_name
 from .worker import Worker
 
-# One rule for exit codes (keep in sync with main's docstring and the README): 0 ok, 1 the job
+# One rule for exit codes (keep in sync with main's docstring and docs/guides/cli.md): 0 ok, 1 the job
 # named by the command's ID does not exist, 2 bad usage or input (options, the URL, --app),
 # 3 the database: unreachable, failing, missing, or without jobq's schema, 4 a bug in jobq.
 # Every error is one line on stderr, scrubbed of the URL's credentials.

@@ -109,7 +109,7 @@ class JobContext:
     def checkpoint(self, state: dict[str, Any]) -> Any:
         """Durably store ``state`` for this job now; later dispatches start with it as ``ctx.state``.
 
-        One short transaction per call (see the README's "Checkpoints" for how often), fenced by
+        One short transaction per call (see docs/guides/long-running.md, "Checkpoints", for how often), fenced by
         this dispatch's lease: nothing is written once the lease is lost.
 
         Args:

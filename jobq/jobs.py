@@ -299,8 +299,8 @@ def enqueue(
         unique_key: while an unfinished job (waiting, ready, leased or running) holds this key,
             return that job's id and write nothing; once it is done, failed or cancelled the
             key is free again. 1-200 characters, compared exactly. Enforced by a unique index,
-            so concurrent enqueuers get one job; see the README's "Unique jobs" for what
-            happens inside your own transaction. A ``held`` job (spawned by a handler still
+            so concurrent enqueuers get one job; see docs/guides/long-running.md, "Unique
+            jobs", for what happens inside your own transaction. A ``held`` job (spawned by a handler still
             running) holding it is not handed out: :class:`UniqueKeyHeld` is raised.
 
     Returns:

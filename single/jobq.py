@@ -5662,8 +5662,8 @@ def enqueue(
         unique_key: while an unfinished job (waiting, ready, leased or running) holds this key,
             return that job's id and write nothing; once it is done, failed or cancelled the
             key is free again. 1-200 characters, compared exactly. Enforced by a unique index,
-            so concurrent enqueuers get one job; see the README's "Unique jobs" for what
-            happens inside your own transaction. A ``held`` job (spawned by a handler still
+            so concurrent enqueuers get one job; see docs/guides/long-running.md, "Unique
+            jobs", for what happens inside your own transaction. A ``held`` job (spawned by a handler still
             running) holding it is not handed out: :class:`UniqueKeyHeld` is raised.
 
     Returns:
@@ -6896,7 +6896,7 @@ class JobContext:
     def checkpoint(self, state: dict[str, Any]) -> Any:
         """Durably store ``state`` for this job now; later dispatches start with it as ``ctx.state``.
 
-        One short transaction per call (see the README's "Checkpoints" for how often), fenced by
+        One short transaction per call (see docs/guides/long-running.md, "Checkpoints", for how often), fenced by
         this dispatch's lease: nothing is written once the lease is lost.
 
         Args:
@@ -8671,7 +8671,7 @@ aio = _AioNamespace()
 # The command line (jobq, python -m jobq): init, enqueue, ls, get, why, stats, cancel, retry,
 # prune, group, limit, worker and serve.
 
-# One rule for exit codes (keep in sync with main's docstring and the README): 0 ok, 1 the job
+# One rule for exit codes (keep in sync with main's docstring and docs/guides/cli.md): 0 ok, 1 the job
 # named by the command's ID does not exist, 2 bad usage or input (options, the URL, --app),
 # 3 the database: unreachable, failing, missing, or without jobq's schema, 4 a bug in jobq.
 # Every error is one line on stderr, scrubbed of the URL's credentials.

@@ -6,7 +6,7 @@ so it works behind a firewall, and the read-only pages work with JavaScript off.
 
 Run it:  ``jobq --url URL serve [--host 127.0.0.1] [--port 8080] [--token T] [--hide-args]``
 Mount it: ``jobq_web.app(engine, token=...)`` is a WSGI callable for any WSGI server or
-framework (see the README's "Dashboard" section).
+framework (see docs/guides/dashboard.md).
 
 Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list with filters and
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
