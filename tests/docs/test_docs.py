@@ -12,8 +12,10 @@ fails the test with its output.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -121,3 +123,54 @@ def test_no_work_history_in_the_product_text() -> None:
     pages = [*PAGES, ROOT / "CHANGELOG.md"]
     hits = [(p.name, m.group(0)) for p in pages for m in re.finditer(r"(?i)\bstop \d+", p.read_text())]
     assert hits == []
+
+
+def _fenced(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def test_the_tutorial_runs_as_written(tmp_path: pathlib.Path) -> None:
+    """The tutorial's handlers module (step 2), its queue commands (step 3) with the ids and
+    the why line their comments promise, and its worker command (step 4), on a fresh SQLite
+    file: the worker runs both jobs."""
+    import shlex
+    import time
+
+    import sqlalchemy as sa
+
+    import jobq
+    from helpers import JOBQ_CLI
+
+    text = (ROOT / "docs" / "tutorial" / "index.md").read_text()
+    module = _fenced(text, "python")[0]
+    (tmp_path / "myapp").mkdir()
+    (tmp_path / "myapp" / "__init__.py").write_text("")
+    (tmp_path / "myapp" / "jobs.py").write_text(module)
+    steps = _fenced(text, "sh")
+    queue = [shlex.split(line, comments=True) for line in steps[1].splitlines() if line.strip()]
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    assert queue[0] == ["export", "JOBQ_URL=sqlite:///jobs.db"]
+    env = {**os.environ, "JOBQ_URL": url, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    outs = []
+    for args in queue[1:]:
+        assert args[0] == "jobq", args
+        done = subprocess.run([*JOBQ_CLI, *args[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
+        outs.append(done.stdout.strip())
+    assert outs[1:3] == ["1", "2"]  # "prints the job's id: 1", then "2"
+    assert outs[3].startswith("job 2 (publish, group default) is waiting on 1 upstream job(s): 1 (ready")
+    worker = shlex.split(steps[2], comments=True)
+    assert worker[:3] == ["jobq", "worker", "--app"]
+    p = subprocess.Popen([*JOBQ_CLI, *worker[1:]], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    engine = sa.create_engine(url)
+    try:
+        deadline = time.monotonic() + 60
+        while (info := jobq.get(engine, 2)) is None or info.state != "done":
+            assert time.monotonic() < deadline and p.poll() is None, "the tutorial's worker did not run job 2"
+            time.sleep(0.05)
+        assert info.result == {"published": True}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        engine.dispose()
+    assert p.returncode == 0, err
