@@ -727,14 +727,25 @@ def _fence(job_id: int, owner: str | None, token: str | None, *, cancelled: bool
 
 
 _CLEAR_LEASE = {"lease_owner": None, "lease_expires": None, "in_flight": False}
+#: The columns a history row is written with, in the order the builders select them.
+_ATTEMPT_COLS = ("job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error")
 
 
-def _q_finish(job_id: int, owner: str | None, token: str | None, result: Any, now: _dt.datetime) -> sa.Update:
-    # lease_token stays on the row: a finalize retried after an ambiguous COMMIT recognises
-    # its own earlier success by it (see _finalize_rows).
+def _q_finish(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None, token: str | None,
+              now: _dt.datetime) -> sa.Update:
+    """Finish these jobs of one holder (``owner``, ``token``: None leaves that fence out) in one
+    statement, each row with its own result (a CASE on the id when there are several). One round
+    trip on every driver (an executemany is one round trip per row on PyMySQL). lease_token
+    stays on the rows: a finalize retried after an ambiguous COMMIT recognises its own earlier
+    success by it (_q_done_under)."""
+    result: Any = outcomes[0].result
+    if len(outcomes) > 1:
+        result = sa.case({o.job_id: sa.literal(o.result, _JSONCOL) for o in outcomes}, value=_c.id)
+    fence = [_state_is(*_LIVE), _c.cancel_requested == sa.false()]
+    fence += [] if owner is None else [_c.lease_owner == owner]
+    fence += [] if token is None else [_c.lease_token == token]
     return (
-        _update_jobs()
-        .where(*_fence(job_id, owner, token))
+        _update_jobs().where(_id_in(d, _c.id, [o.job_id for o in outcomes]), *fence)
         .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
     )
 
@@ -753,27 +764,20 @@ def _q_fail(
 
 def _q_finish_batch(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None, token: str | None,
                     now: _dt.datetime) -> tuple[sa.Update, dict[str, Any] | None]:
-    """Finish many jobs of one lease in one statement, with its parameters: each row gets its
-    own result (a CASE on the id when they differ) and the same fence as _q_finish. One round
-    trip on every driver (an executemany is one round trip per row on PyMySQL). When every row
-    gets the same result (no-op handlers: all None) the statement is prebuilt and only the
-    parameters are new, so a tick pays no statement construction for its finalize."""
+    """_q_finish for a batch of one lease, with its parameters. When every row gets the same
+    result (no-op handlers: all None) the statement is _q_finish_batch_same, prebuilt, so a tick
+    pays no statement construction for its finalize; tests/core/test_statement_forms.py checks
+    that the two write the same rows."""
     ids = [o.job_id for o in outcomes]
     first = outcomes[0].result
     if all(o.result is None for o in outcomes) or len({json.dumps(o.result, sort_keys=True) for o in outcomes}) == 1:
         return _q_finish_batch_same(d), {"b_ids": ids, "b_owner": owner, "b_token": token, "b_result": first,
                                          "b_now": now}
-    result = sa.case({o.job_id: sa.literal(o.result, _JSONCOL) for o in outcomes}, value=_c.id)
-    return (
-        _update_jobs()
-        .where(_id_in(d, _c.id, ids), _state_is(*_LIVE), _c.cancel_requested == sa.false(),
-               _c.lease_owner == owner, _c.lease_token == token)
-        .values(state="done", result=result, error=None, finished_at=now, updated_at=now, **_CLEAR_LEASE)
-    ), None
+    return _q_finish(d, outcomes, owner, token, now), None
 
 
 def _q_finish_batch_same(d: _Dialect) -> sa.Update:
-    # _q_finish_batch's statement when all rows get one result; keep the two in sync.
+    # _q_finish with one result for every row, its values bound (test_statement_forms).
     return _prebuilt(d, "finish_batch_same", lambda: (
         _update_jobs()
         .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))), _state_is(*_LIVE),
@@ -786,7 +790,7 @@ def _q_finish_batch_same(d: _Dialect) -> sa.Update:
 
 def _q_finish_recorded(d: _Dialect) -> sa.Select[Any]:
     """_q_finish_batch_same and _q_record_done as one statement (d.dml_ctes), same parameters
-    plus ``b_worker``: one row, the rows finished. Keep in sync with the two.
+    plus ``b_worker``: one row, the rows finished (test_statement_forms: the same rows as the two).
 
     The dependents' count is not in it: a statement reads with one snapshot, taken before its
     UPDATE waits for an enqueue's share lock on a finishing job, so it missed the dependency
@@ -794,9 +798,7 @@ def _q_finish_recorded(d: _Dialect) -> sa.Select[Any]:
     statement of its own, after this one)."""
     def build() -> sa.Select[Any]:
         fin = _q_finish_batch_same(d).returning(_c.id, _c.attempts, _c.started_at).cte("fin")
-        rec = sa.insert(_attempts).from_select(
-            ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"],
-            sa.select(fin.c.id, fin.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), fin.c.started_at,
+        rec = sa.insert(_attempts).from_select(_ATTEMPT_COLS, sa.select(fin.c.id, fin.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), fin.c.started_at,
                       sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null()),
         ).returning(_attempts.c.job_id).cte("rec")
         return sa.select(sa.select(sa.func.count()).select_from(rec).scalar_subquery().label("n"))
@@ -840,18 +842,21 @@ def _q_release(job_id: int, owner: str | None, token: str | None, now: _dt.datet
 
 def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime
                        ) -> tuple[sa.Insert, dict[str, Any] | None]:
-    """One history row per attempt just ended by this transaction's fenced writes, (job id,
-    outcome, worker id) each, as one INSERT ... SELECT, with its parameters: the attempt
-    number, start and error come from the job rows, which this transaction has just written
-    and still holds. Keep in sync with the finalize/fail/release builders: done clears
-    ``error`` (so none is copied), release gives the attempt back (so its number is one more
-    than the row's), and a release leaves the previous attempt's error on the row (not this
-    attempt's). A batch of one worker's finishes (every tick of a busy worker) is prebuilt."""
-    ids = [i for i, _o, _w in ended]
+    """_q_record_ended, with its parameters: a batch of one worker's finishes (every tick of a
+    busy worker) takes _q_record_done, prebuilt (test_statement_forms: the same rows)."""
     workers = {w for _i, _o, w in ended}
     if len(workers) == 1 and all(o == "done" for _i, o, _w in ended):
-        return _q_record_done(d), {"b_ids": ids, "b_worker": next(iter(workers)), "b_now": now}
+        return _q_record_done(d), {"b_ids": [i for i, _o, _w in ended], "b_worker": next(iter(workers)), "b_now": now}
+    return _q_record_ended(d, ended, now), None
 
+
+def _q_record_ended(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime) -> sa.Insert:
+    """One history row per attempt just ended by this transaction's fenced writes, (job id,
+    outcome, worker id) each, as one INSERT ... SELECT: the attempt number, start and error
+    come from the job rows, which this transaction has just written and still holds. It reads
+    what the finalize/fail/release builders wrote: done clears ``error`` (so none is copied),
+    release gives the attempt back (so its number is one more than the row's), and a release
+    leaves the previous attempt's error on the row (not this attempt's)."""
     def per_row(values: Mapping[int, Any], type_: Any) -> Any:
         if len(set(values.values())) == 1:
             return sa.literal(next(iter(values.values())), type_)
@@ -863,18 +868,16 @@ def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]]
     error: Any = _c.error if not silent else sa.case((_c.id.in_(silent), sa.null()), else_=_c.error)
     rows = sa.select(_c.id, attempt, per_row({i: w for i, _o, w in ended}, sa.String(200)), _c.started_at,
                      sa.literal(now, _TS), per_row({i: o for i, o, _w in ended}, sa.String(16)), error
-                     ).where(_id_in(d, _c.id, ids))
-    return sa.insert(_attempts).from_select(
-        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"], rows), None
+                     ).where(_id_in(d, _c.id, [i for i, _o, _w in ended]))
+    return sa.insert(_attempts).from_select(_ATTEMPT_COLS, rows)
 
 
 def _q_record_done(d: _Dialect) -> sa.Insert:
-    # _q_record_attempts for finishes by one worker: outcome done, no error. Keep in sync.
-    return _prebuilt(d, "record_done", lambda: sa.insert(_attempts).from_select(
-        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"],
-        sa.select(_c.id, _c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), _c.started_at,
-                  sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null())
-        .where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))))
+    # _q_record_ended for finishes by one worker (outcome done, no error), its values bound.
+    return _prebuilt(d, "record_done", lambda: sa.insert(_attempts).from_select(_ATTEMPT_COLS, sa.select(
+        _c.id, _c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), _c.started_at,
+        sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null()
+    ).where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))))
 
 
 def _q_attempt_history(job_id: int, *, last: bool = False) -> sa.Select[Any]:
@@ -979,8 +982,7 @@ def _q_record_reclaims(ids: list[int], now: _dt.datetime, kind: str) -> sa.Inser
     rows = sa.select(_c.id, _c.attempts, _c.lease_owner, _c.started_at, sa.literal(now, _TS),
                      sa.literal("reclaimed", sa.String(16)), _reclaim_error(kind)
                      ).where(_c.id.in_(ids), _state_is(*_LIVE), _c.lease_expires < now)
-    return sa.insert(_attempts).from_select(
-        ["job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error"], rows)
+    return sa.insert(_attempts).from_select(_ATTEMPT_COLS, rows)
 
 
 def _q_reclaim_cancelled(ids: list[int], now: _dt.datetime) -> sa.Update:

@@ -1,0 +1,138 @@
+"""One statement per operation, and where a second form stays for speed, the same rows.
+
+The finish of leased jobs has one general builder (_q_finish: any results, any fence) and two
+forms kept for speed next to it: _q_finish_batch_same (prebuilt: one result for every row, run
+on the cursor) and, where the engine runs data-modifying CTEs, _q_finish_recorded (finish and
+history in one round trip). Attempt history has _q_record_ended and its prebuilt form for one
+worker's finishes, _q_record_done. Each test runs the forms on the same leased jobs, each in a
+transaction it rolls back, and compares every row of jobs and of the attempt history they leave.
+A form that drifted (a column it forgets to clear, a history row with another attempt number or
+error) fails here; test_a_form_that_forgets_a_column_is_caught is the broken variant.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import jobq
+
+WORKER = "w1"
+Form = Callable[[sa.Connection, Any, list[Any], dt.datetime], None]
+
+
+def _leased(engine: sa.Engine, n: int) -> list[Any]:
+    """n jobs, the first one failed once before (its error on the row), all leased by WORKER."""
+    ids = [jobq.enqueue(engine, "t", max_attempts=3) for _ in range(n)]
+    first = jobq.claim(engine, WORKER, 60)
+    assert first == ids[0]
+    jobq.fail(engine, first, "boom", worker_id=WORKER)
+    leases = jobq.claim_batch(engine, WORKER, 60, limit=n)
+    assert sorted(x.id for x in leases) == ids
+    return sorted(leases, key=lambda x: x.id)
+
+
+def _rows_after(engine: sa.Engine, form: Form, leases: list[Any], results: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Every jobs row and history row (without its own id) after ``form``, which is rolled back."""
+    d = jobq._prepare(engine)
+    a = jobq._attempts.c
+    now = leases[0].expires  # one time for every form: the rows compare equal only then
+    with engine.connect() as conn:
+        with conn.begin() as tx:
+            outcomes = [jobq._Outcome(x.id, WORKER, x.token, "done", result=r) for x, r in zip(leases, results, strict=True)]
+            form(conn, d, outcomes, now)
+            jobs = [tuple(r) for r in conn.execute(sa.select(jobq._jobs).order_by(jobq._jobs.c.id))]
+            hist = [tuple(r) for r in conn.execute(
+                sa.select(a.job_id, a.attempt, a.worker_id, a.started_at, a.finished_at, a.outcome, a.error)
+                .order_by(a.job_id, a.attempt, a.outcome))]
+            tx.rollback()
+    return jobs, hist
+
+
+def _ended(outcomes: list[Any]) -> list[tuple[int, str, str | None]]:
+    return [(o.job_id, "done", o.owner) for o in outcomes]
+
+
+def general(conn: sa.Connection, d: Any, outcomes: list[Any], now: dt.datetime) -> None:
+    """The general forms: _q_finish per job, then _q_record_ended."""
+    for o in outcomes:
+        assert conn.execute(jobq._q_finish(d, [o], o.owner, o.token, now)).rowcount == 1
+    conn.execute(jobq._q_record_ended(d, _ended(outcomes), now))
+
+
+def general_batch(conn: sa.Connection, d: Any, outcomes: list[Any], now: dt.datetime) -> None:
+    """_q_finish for the whole batch (a CASE on the id for the results), then _q_record_ended."""
+    assert conn.execute(jobq._q_finish(d, outcomes, WORKER, outcomes[0].token, now)).rowcount == len(outcomes)
+    conn.execute(jobq._q_record_ended(d, _ended(outcomes), now))
+
+
+def prebuilt(conn: sa.Connection, d: Any, outcomes: list[Any], now: dt.datetime) -> None:
+    """What a worker's tick runs without CTEs: _q_finish_batch (prebuilt when the results agree)
+    and _q_record_attempts (prebuilt _q_record_done), on the cursor."""
+    stmt, params = jobq._q_finish_batch(d, outcomes, WORKER, outcomes[0].token, now)
+    assert jobq._hot_rowcount(conn, stmt, params) == len(outcomes)
+    jobq._hot_rowcount(conn, *jobq._q_record_attempts(d, _ended(outcomes), now))
+
+
+def recorded(conn: sa.Connection, d: Any, outcomes: list[Any], now: dt.datetime) -> None:
+    """_q_finish_recorded: finish and history in one statement (engines with data-modifying CTEs)."""
+    stmt, params = jobq._q_finish_batch(d, outcomes, WORKER, outcomes[0].token, now)
+    assert params is not None
+    assert jobq._hot_rows(conn, jobq._q_finish_recorded(d), {**params, "b_worker": WORKER})[0][0] == len(outcomes)
+
+
+def _forms(engine: sa.Engine) -> dict[str, Form]:
+    forms: dict[str, Form] = {"general": general, "general_batch": general_batch, "prebuilt": prebuilt}
+    if jobq._prepare(engine).dml_ctes:
+        forms["recorded"] = recorded
+    return forms
+
+
+@pytest.mark.parametrize("result", [None, {"ok": [1, 2]}], ids=["none", "json"])
+def test_every_finish_form_writes_the_same_jobs_and_history_rows(engine: sa.Engine, result: Any) -> None:
+    """Three leased jobs (one on its second attempt, its first attempt's error on the row), one
+    result for all: each form leaves the same rows. A wrong row: a form that kept the error,
+    the lease, another attempt number or time, or no history row."""
+    leases = _leased(engine, 3)
+    forms = _forms(engine)
+    rows = {name: _rows_after(engine, form, leases, [result] * 3) for name, form in forms.items()}
+    jobs, hist = rows["general"]
+    assert [r[1:3] for r in hist][-3:] == [(leases[0].attempt, WORKER), (1, WORKER), (1, WORKER)]
+    assert len(hist) == 4 and [r[5] for r in hist] == ["failed", "done", "done", "done"]
+    assert [(r["state"], r["result"], r["error"], r["lease_owner"]) for r in _job_rows(rows["general"])] == [
+        ("done", result, None, None)] * 3
+    for name, got in rows.items():
+        assert got == (jobs, hist), name
+
+
+def test_the_batch_with_several_results_writes_what_one_finish_a_job_writes(engine: sa.Engine) -> None:
+    """Different results per row: _q_finish_batch takes the CASE form; it writes what _q_finish
+    per job does, each row its own result."""
+    leases = _leased(engine, 3)
+    results = [{"n": 1}, None, "x"]
+    one = _rows_after(engine, general, leases, results)
+    assert jobq._q_finish_batch(jobq._prepare(engine), [jobq._Outcome(x.id, WORKER, x.token, "done", result=r)
+                                                        for x, r in zip(leases, results, strict=True)],
+                                WORKER, leases[0].token, dt.datetime(2030, 1, 1))[1] is None  # the CASE form
+    assert _rows_after(engine, prebuilt, leases, results) == one
+    assert [r["result"] for r in _job_rows(one)] == results
+
+
+def _job_rows(rows: tuple[list[Any], list[Any]]) -> list[Any]:
+    cols = [c.name for c in jobq._jobs.c]
+    return [dict(zip(cols, r, strict=True)) for r in rows[0]]
+
+
+def test_a_form_that_forgets_a_column_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broken variant: a prebuilt finish that leaves the lease's expiry on the row is told
+    apart from the general form by the comparison above."""
+    leases = _leased(engine, 2)
+    good = _rows_after(engine, general, leases, [None, None])
+    d = jobq._prepare(engine)
+    broken = jobq._q_finish_batch_same(d).values(lease_expires=jobq._jobs.c.lease_expires)
+    monkeypatch.setattr(jobq, "_q_finish_batch_same", lambda d: broken)
+    assert _rows_after(engine, prebuilt, leases, [None, None]) != good
