@@ -12,6 +12,7 @@ error) fails here; test_a_form_that_forgets_a_column_is_caught is the broken var
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
+from dbs import only
 
 WORKER = "w1"
 Form = Callable[[sa.Connection, Any, list[Any], dt.datetime], None]
@@ -136,3 +138,36 @@ def test_a_form_that_forgets_a_column_is_caught(engine: sa.Engine, monkeypatch: 
     broken = jobq._q_finish_batch_same(d).values(lease_expires=jobq._jobs.c.lease_expires)
     monkeypatch.setattr(jobq, "_q_finish_batch_same", lambda d: broken)
     assert _rows_after(engine, prebuilt, leases, [None, None]) != good
+
+
+def _claimed(engine: sa.Engine, d: Any, groups: list[str]) -> tuple[list[Any], list[Any], list[Any]]:
+    """What one claim of everything ready leaves, through ``d``'s forms, rolled back: the
+    leases, the jobs rows and the start log, without the claim's random token."""
+    now = dt.datetime(2030, 1, 1)
+    token = [c.name for c in jobq._jobs.c].index("lease_token")
+    with engine.connect() as conn:
+        with conn.begin() as tx:
+            leases = jobq._lease_rows(conn, d, worker_id=WORKER, ttl=60, now=now, limit=len(groups), types=None,
+                                      max_in_flight=None, group_caps={"g1": 2}, state="leased")
+            jobs = [tuple(v for i, v in enumerate(r) if i != token)
+                    for r in conn.execute(sa.select(jobq._jobs).order_by(jobq._jobs.c.id))]
+            starts = sorted(tuple(r[1:]) for r in conn.execute(sa.select(jobq._starts)))
+            tx.rollback()
+    return [dataclasses.replace(x, token="") for x in leases], jobs, starts
+
+
+@only("postgresql")  # data-modifying WITH (d.dml_ctes): the claim's lock and lease as one statement
+@pytest.mark.parametrize("one_group", [False, True], ids=["window", "one-group"])
+def test_the_lease_in_the_claims_statement_writes_what_the_separate_lease_writes(engine: sa.Engine, one_group: bool) -> None:
+    """_q_lock_and_lease (lock, lease and start log in one statement) against the locking read
+    followed by _q_lease and the start log: the same leases, jobs rows and start-log rows,
+    for the window over several groups and for a claim of one group."""
+    groups = ["g1"] * 3 if one_group else ["g1", "g1", "g1", "g2", "g3"]
+    for i, g in enumerate(groups):
+        jobq.enqueue(engine, "t", group_key=g, priority=i % 2)
+    d = jobq._prepare(engine)
+    assert d.dml_ctes
+    together = _claimed(engine, d, groups)
+    apart = _claimed(engine, dataclasses.replace(d, dml_ctes=False), groups)
+    assert together[0] and together == apart
+    assert {r.group_key for r in together[0]} == set(groups)
