@@ -171,3 +171,42 @@ def test_the_lease_in_the_claims_statement_writes_what_the_separate_lease_writes
     apart = _claimed(engine, dataclasses.replace(d, dml_ctes=False), groups)
     assert together[0] and together == apart
     assert {r.group_key for r in together[0]} == set(groups)
+
+
+def _window_data(engine: sa.Engine) -> dt.datetime:
+    """Twelve groups: some with more runnable jobs than the read's limit, priorities and weights
+    mixed, two types, jobs not yet due, and one group whose ready jobs are all for later."""
+    for g in range(12):
+        for k in range(g % 5 + 1):
+            jobq.enqueue(engine, "t" if k % 2 == 0 else "u", group_key=f"g{g:02}", priority=(g + k) % 3,
+                         weight=1 + (g * k) % 4)
+        jobq.enqueue(engine, "t", group_key=f"g{g:02}", run_after=dt.timedelta(hours=1))
+    jobq.enqueue(engine, "t", group_key="later", run_after=dt.timedelta(hours=1))
+    with engine.connect() as conn:
+        return jobq._prepare(engine).db_now(conn) + dt.timedelta(minutes=1)
+
+
+@pytest.mark.parametrize("types", [None, ["t"]], ids=["any-type", "typed"])
+def test_every_window_read_gives_the_same_candidates(engine: sa.Engine, types: list[str] | None) -> None:
+    """The window's candidates per group (first ``limit`` runnable ids in claim order, largest
+    weight among them), read by the portable UNION of LIMITed selects and by this engine's own
+    form (PostgreSQL's LATERAL over an array, SQLite's JSON array), and as the group scan reads
+    them with the groups (d.scan_reads_window; MySQL/MariaDB's ranged read): the same, group
+    for group. The scans find the same groups as the plain skip scan."""
+    now = _window_data(engine)
+    d = jobq._prepare(engine)
+    union = dataclasses.replace(d, lateral_arrays=False, json_id_lists=False)
+    plain = dataclasses.replace(d, scan_reads_window=False, ranged_group_scan=False, span_first=False)
+    limit = 3
+    with engine.connect() as conn:
+        groups = jobq._GroupScan(conn, plain, types, now, limit).take(100)
+        assert groups == [f"g{g:02}" for g in range(12)] + ["later"]
+        want = jobq._window_candidates(conn, union, groups, now, types, limit, {})
+        assert len(want) == 12 and all(0 < len(ids) <= limit for ids, _w in want.values())
+        assert jobq._window_candidates(conn, d, groups, now, types, limit, {}) == want
+        scan = jobq._GroupScan(conn, d, types, now, limit)
+        assert scan.take(100) == groups
+        for g, (ids, w) in scan.read.items():
+            assert (ids, w) == want[g] if ids else g not in want, g
+        assert scan.read or not (d.scan_reads_window or d.ranged_group_scan)
+        conn.rollback()
