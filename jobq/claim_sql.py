@@ -43,9 +43,6 @@ def _ready_groups(hint: str = "") -> sa.TextualSelect:
         sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer)).columns(k=_NAME)
 
 
-_Q_READY_GROUPS = _ready_groups()
-
-
 def _q_ready_groups(d: _Dialect) -> sa.TextualSelect:
     return _prebuilt(d, "ready_groups", lambda: _ready_groups(d.recursion_hint))
 
@@ -76,19 +73,6 @@ def _q_ready_groups_ranged_read(d: _Dialect, typed: bool) -> sa.TextualSelect:
         return stmt.columns()
 
     return _prebuilt(d, f"ready_groups_ranged_read:{typed}", build)
-
-
-def _q_group_counts(groups: Sequence[str], now: _dt.datetime, types: Sequence[str] | None, limit: int) -> sa.CompoundSelect:
-    """Per group: runnable jobs (counted up to ``limit``) and the largest weight among them.
-    Reads at most ``limit`` index entries per group, never the whole ready set."""
-    parts = []
-    for g in groups:
-        inner = sa.select(_c.weight).where(_state_is("ready"), _c.group_key == g, _c.run_after <= now)
-        if types is not None:
-            inner = inner.where(_c.type.in_(types))
-        sub = inner.order_by(*_CLAIM_ORDER).limit(limit).subquery()
-        parts.append(sa.select(sa.literal(g, _NAME), sa.func.count(), sa.func.max(sub.c.weight)).select_from(sub))
-    return sa.union_all(*parts)
 
 
 #: What a claim reads of each row it leases, in this order (_lease_rows unpacks it; _LEASE_ID

@@ -54,15 +54,6 @@ class _Dialect(_Engine):
         since capabilities are decided per family (and a server version adds none yet)."""
         return self.family
 
-    @property
-    def is_sqlite(self) -> bool:
-        # kept for callers that predate the capability fields: "no row locks, one writer"
-        return not self.row_locks
-
-    @property
-    def is_mysql_family(self) -> bool:
-        return self.isolation_stmt
-
     def lock_skip(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Exclusive row locks that skip rows another transaction holds (the claim read)."""
         if not self.row_locks:
@@ -407,7 +398,7 @@ def _sqlite_writer(engine: Engine, d: _Dialect) -> Iterator[None]:
     # Threads of one process queue on a Python lock for SQLite's single write lock: a hand-off
     # there is immediate, while SQLite's busy handler polls with sleeps of up to 100 ms.
     # Processes meet at the lock file (_sqlite_lockfile), then at SQLite's lock (busy_timeout).
-    if not d.is_sqlite or engine.dialect.is_async:
+    if d.row_locks or engine.dialect.is_async:
         # (An event loop must never block on a thread lock: async SQLite engines meet at
         # SQLite's own lock, whose busy handler waits in aiosqlite's thread, not the loop.)
         yield

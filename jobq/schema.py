@@ -128,7 +128,7 @@ class Job(Base):
         # The claim's scan: ready rows per group, highest priority first, then oldest due.
         # Partial where the engine has partial indexes, so done and waiting rows never enter
         # it; MySQL/MariaDB lead with state instead. Keep in sync with _q_candidates,
-        # _q_group_counts, _Q_READY_GROUPS and _upgrade_4_state (priority: schema 4).
+        # _q_ready_groups and _upgrade_4_state (priority: schema 4).
         _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
         _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
         # The claim's first question: is anything due at all? The ready index, ordered by

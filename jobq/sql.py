@@ -101,8 +101,8 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
 
 def _q_due_weights(now: _dt.datetime) -> sa.Select[Any]:
     """Per group with due ready jobs, the largest weight among them: one read of the ready
-    index, whatever the number of groups (the dashboard's weight column; _q_group_counts' UNION
-    of one term per group broke past SQLite's 500 terms and took seconds at thousands)."""
+    index, whatever the number of groups (the dashboard's weight column; a UNION of one term
+    per group breaks past SQLite's 500 terms and takes seconds at thousands)."""
     return (sa.select(_c.group_key, sa.func.max(_c.weight))
             .where(_state_is("ready"), _c.run_after <= now).group_by(_c.group_key))
 
@@ -142,7 +142,6 @@ _Q_UPDATE_GROUP = (
             rate_n=sa.bindparam("rate_n"), rate_period=sa.bindparam("rate_period"),
             paused=sa.bindparam("paused"), updated_at=sa.bindparam("updated_at"))
 )
-_Q_GROUP_IN_FLIGHT = sa.select(sa.func.count()).where(_c.in_flight == _TRUE, _c.group_key == sa.bindparam("b_key", type_=_NAME))
 
 
 # ---- builders for get, why, stats and the command line

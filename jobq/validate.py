@@ -157,16 +157,6 @@ def _check_timedelta(value: Any, what: str, exc: type[JobqError] = InvalidJob, *
     return value
 
 
-def _check_run_after(value: Any, what: str) -> _dt.datetime | _dt.timedelta | None:
-    """``run_after`` as given (None, a bounded timedelta, or an aware datetime in range)."""
-    if value is None:
-        return None
-    if isinstance(value, _dt.timedelta):
-        return _check_timedelta(value, what)
-    _to_db_time(value, what)
-    return value
-
-
 def _check_age(value: Any, what: str) -> _dt.timedelta:
     """An age such as prune's ``older_than``: a timedelta in 0 .. MAX_TIMEDELTA (ConfigError)."""
     return _check_timedelta(value, what, ConfigError, negative=False)

@@ -624,7 +624,7 @@ class Job(Base):
         # The claim's scan: ready rows per group, highest priority first, then oldest due.
         # Partial where the engine has partial indexes, so done and waiting rows never enter
         # it; MySQL/MariaDB lead with state instead. Keep in sync with _q_candidates,
-        # _q_group_counts, _Q_READY_GROUPS and _upgrade_4_state (priority: schema 4).
+        # _q_ready_groups and _upgrade_4_state (priority: schema 4).
         _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
         _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
         # The claim's first question: is anything due at all? The ready index, ordered by
@@ -881,8 +881,8 @@ def ready_set(now: _dt.datetime, types: Iterable[str] | None = None) -> sa.Selec
 
 def _q_due_weights(now: _dt.datetime) -> sa.Select[Any]:
     """Per group with due ready jobs, the largest weight among them: one read of the ready
-    index, whatever the number of groups (the dashboard's weight column; _q_group_counts' UNION
-    of one term per group broke past SQLite's 500 terms and took seconds at thousands)."""
+    index, whatever the number of groups (the dashboard's weight column; a UNION of one term
+    per group breaks past SQLite's 500 terms and takes seconds at thousands)."""
     return (sa.select(_c.group_key, sa.func.max(_c.weight))
             .where(_state_is("ready"), _c.run_after <= now).group_by(_c.group_key))
 
@@ -922,7 +922,6 @@ _Q_UPDATE_GROUP = (
             rate_n=sa.bindparam("rate_n"), rate_period=sa.bindparam("rate_period"),
             paused=sa.bindparam("paused"), updated_at=sa.bindparam("updated_at"))
 )
-_Q_GROUP_IN_FLIGHT = sa.select(sa.func.count()).where(_c.in_flight == _TRUE, _c.group_key == sa.bindparam("b_key", type_=_NAME))
 
 
 # ---- builders for get, why, stats and the command line
@@ -2204,15 +2203,6 @@ class _Dialect(_Engine):
         since capabilities are decided per family (and a server version adds none yet)."""
         return self.family
 
-    @property
-    def is_sqlite(self) -> bool:
-        # kept for callers that predate the capability fields: "no row locks, one writer"
-        return not self.row_locks
-
-    @property
-    def is_mysql_family(self) -> bool:
-        return self.isolation_stmt
-
     def lock_skip(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Exclusive row locks that skip rows another transaction holds (the claim read)."""
         if not self.row_locks:
@@ -2557,7 +2547,7 @@ def _sqlite_writer(engine: Engine, d: _Dialect) -> Iterator[None]:
     # Threads of one process queue on a Python lock for SQLite's single write lock: a hand-off
     # there is immediate, while SQLite's busy handler polls with sleeps of up to 100 ms.
     # Processes meet at the lock file (_sqlite_lockfile), then at SQLite's lock (busy_timeout).
-    if not d.is_sqlite or engine.dialect.is_async:
+    if d.row_locks or engine.dialect.is_async:
         # (An event loop must never block on a thread lock: async SQLite engines meet at
         # SQLite's own lock, whose busy handler waits in aiosqlite's thread, not the loop.)
         yield
@@ -3367,16 +3357,6 @@ def _check_timedelta(value: Any, what: str, exc: type[JobqError] = InvalidJob, *
     return value
 
 
-def _check_run_after(value: Any, what: str) -> _dt.datetime | _dt.timedelta | None:
-    """``run_after`` as given (None, a bounded timedelta, or an aware datetime in range)."""
-    if value is None:
-        return None
-    if isinstance(value, _dt.timedelta):
-        return _check_timedelta(value, what)
-    _to_db_time(value, what)
-    return value
-
-
 def _check_age(value: Any, what: str) -> _dt.timedelta:
     """An age such as prune's ``older_than``: a timedelta in 0 .. MAX_TIMEDELTA (ConfigError)."""
     return _check_timedelta(value, what, ConfigError, negative=False)
@@ -3487,9 +3467,6 @@ def _ready_groups(hint: str = "") -> sa.TextualSelect:
         sa.bindparam("b_after", type_=_NAME), sa.bindparam("b_window", type_=sa.Integer)).columns(k=_NAME)
 
 
-_Q_READY_GROUPS = _ready_groups()
-
-
 def _q_ready_groups(d: _Dialect) -> sa.TextualSelect:
     return _prebuilt(d, "ready_groups", lambda: _ready_groups(d.recursion_hint))
 
@@ -3520,19 +3497,6 @@ def _q_ready_groups_ranged_read(d: _Dialect, typed: bool) -> sa.TextualSelect:
         return stmt.columns()
 
     return _prebuilt(d, f"ready_groups_ranged_read:{typed}", build)
-
-
-def _q_group_counts(groups: Sequence[str], now: _dt.datetime, types: Sequence[str] | None, limit: int) -> sa.CompoundSelect:
-    """Per group: runnable jobs (counted up to ``limit``) and the largest weight among them.
-    Reads at most ``limit`` index entries per group, never the whole ready set."""
-    parts = []
-    for g in groups:
-        inner = sa.select(_c.weight).where(_state_is("ready"), _c.group_key == g, _c.run_after <= now)
-        if types is not None:
-            inner = inner.where(_c.type.in_(types))
-        sub = inner.order_by(*_CLAIM_ORDER).limit(limit).subquery()
-        parts.append(sa.select(sa.literal(g, _NAME), sa.func.count(), sa.func.max(sub.c.weight)).select_from(sub))
-    return sa.union_all(*parts)
 
 
 #: What a claim reads of each row it leases, in this order (_lease_rows unpacks it; _LEASE_ID

@@ -54,8 +54,7 @@ def _d(engine: sa.Engine) -> jobq._Dialect:
 PARTIAL = ("ix_jobs_ready", "ix_jobs_in_flight")
 HOT = {
     "in flight per group": lambda e: jobq._Q_IN_FLIGHT_BY_GROUP,
-    "ready groups (skip scan)": lambda e: jobq._Q_READY_GROUPS.params(b_after="g", b_window=64),
-    "group counts": lambda e: jobq._q_group_counts(["g", "h"], NOW, ["t"], 10),
+    "ready groups (skip scan)": lambda e: jobq._q_ready_groups(_d(e)).params(b_after="g", b_window=64),
     "candidates": lambda e: jobq._q_candidates(_d(e), True).params(b_group="g", b_now=NOW, b_types=["t"], b_limit=10),
     "window candidates": lambda e: jobq._q_window_candidates(_d(e), 4, True).params(
         b_g0="g", b_g1="h", b_g2="i", b_g3="", b_now=NOW, b_types=["t"], b_limit=10),
@@ -63,7 +62,7 @@ HOT = {
     "run_until_idle's idle check": lambda e: jobq._q_busy_or_due(["t"], NOW),
     # PostgreSQL's scan that reads each group's candidates too (SQLite's: below, with bound JSON)
     "ready groups with candidates": lambda e: (jobq._q_ready_groups_read(_d(e), True) if _d(e).lateral_arrays
-                                               else jobq._Q_READY_GROUPS).params(
+                                               else jobq._q_ready_groups(_d(e))).params(
         b_after="g", b_window=64, b_now=NOW, b_limit=10, b_types=["t"]),
 }
 
@@ -80,8 +79,8 @@ def _check(name: str, plan: str) -> None:
 
 @only("sqlite", "postgresql")  # the engines with partial indexes
 def test_hot_claim_queries_use_the_partial_indexes(engine: sa.Engine) -> None:
-    """Every hot claim query (in flight per group, ready groups, group counts, candidates, expired
-    leases) is planned on an ix_jobs_ index, never on a scan of the jobs table or of a full
+    """Every hot claim query (in flight per group, ready groups, candidates, expired leases) is
+    planned on an ix_jobs_ index, never on a scan of the jobs table or of a full
     index. A bug (an index predicate the planner cannot match) shows as a SCAN jobs or Seq Scan
     step."""
     for name, build in HOT.items():

@@ -77,7 +77,7 @@ def _explain(engine: sa.Engine, stmt: sa.Executable) -> str:
 
 
 def test_the_claims_read_walks_the_ready_index_in_priority_order_without_sorting(engine: sa.Engine) -> None:
-    """On every engine the claim's locking read of one group (and the per-group count) is an
+    """On every engine the claim's locking read of one group (and the window read) is an
     index walk of the ready index in claim order: no sort step, so it reads at most ``limit``
     entries. A ready index without the priority column (the schema 3 one) would need a sort of
     the group's whole ready set: the broken variant below shows the check catches that."""
@@ -85,7 +85,6 @@ def test_the_claims_read_walks_the_ready_index_in_priority_order_without_sorting
     d = jobq._prepare(engine)
     now = dt.datetime(2030, 1, 1)
     stmts = {"candidates": jobq._q_candidates(d, False).params(b_group="g", b_now=now, b_limit=10),
-             "group counts": jobq._q_group_counts(["g"], now, None, 10),
              "window candidates": jobq._q_window_candidates(d, 2, False).params(b_g0="g", b_g1="", b_now=now, b_limit=10)}
     sort_words = ("Sort", "TEMP B-TREE", "filesort")
     for name, stmt in stmts.items():
