@@ -213,10 +213,41 @@ def wipe(engine: sa.Engine) -> None:
 
 
 def only(*dialects: str):
-    """Mark a test as needing a capability only these dialects have (say which in the test)."""
+    """Mark a test as about these engines' own behaviour (an error code, a planner's trap, a
+    driver's types), not a capability: say why on the same line (test_layout checks it). A
+    capability question is :func:`needs`."""
 
     def mark(fn):
         fn.jobq_dialects = dialects
+        return fn
+
+    return mark
+
+
+def facts(dialect: str) -> jobq._Dialect:
+    """What jobq's driver knows about ``dialect``: SQLite's facts at the SQLite this Python links
+    (the version the package sees), a server's at the oldest version jobq supports."""
+    if dialect == "sqlite":
+        import sqlite3
+
+        return jobq._capabilities(dialect, sqlite3.sqlite_version_info)
+    return jobq._capabilities(dialect, jobq._MIN_VERSIONS[dialect])
+
+
+def needs(*caps: str, no: str | tuple[str, ...] = ()):
+    """Mark a test as asking a capability question: it runs on the engines whose driver has every
+    fact in ``caps`` (``row_locks``, ``partial_indexes``, ...) and none in ``no``, decided from
+    the same facts the package branches on (:func:`facts`). Parametrised as :func:`only` is."""
+    nos = (no,) if isinstance(no, str) else no
+    for cap in (*caps, *nos):
+        if not hasattr(facts("sqlite"), cap):
+            raise AttributeError(f"needs({cap!r}): the drivers have no such fact")
+    dialects = tuple(d for d in ALL_DIALECTS if all(getattr(facts(d), c) for c in caps)
+                     and not any(getattr(facts(d), c) for c in nos))
+
+    def mark(fn):
+        fn.jobq_dialects = dialects
+        fn.jobq_needs = (caps, nos)
         return fn
 
     return mark

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import db_now
 
 
@@ -23,7 +23,7 @@ def _ready_rows(engine: sa.Engine, groups: dict[str, int]) -> None:
             conn.execute(sa.insert(jobq.Job.__table__), rows[i:i + 1000])
 
 
-@only("postgresql", "mysql", "mariadb")  # capability: row_locks (SKIP LOCKED; SQLite has one writer)
+@needs("row_locks")  # SKIP LOCKED; SQLite has one writer
 def test_rate_limit_holds_when_skip_locked_leaves_another_group_short(engine: sa.Engine) -> None:
     """Group A may start 2 jobs per minute; group B's ready rows are row-locked by another
     transaction (an application's SELECT ... FOR UPDATE), so the claim's first round comes up
@@ -102,7 +102,7 @@ def _broken_concat_ids(runnable: int, ids: str | None, limit: int) -> list[int] 
     return [int(i) for i in (ids or "").split(";") if i][:limit] if runnable else []
 
 
-@only("mysql", "mariadb")  # capability: ranged_group_scan (the range read that is the window read too)
+@needs("ranged_group_scan")  # the range read that is the window read too
 @pytest.mark.parametrize("broken", [False, True], ids=["jobq", "broken-variant"])
 def test_a_window_read_cut_by_group_concat_max_len_is_read_again(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
                                                                broken: bool) -> None:

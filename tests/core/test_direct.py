@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs, only
 from helpers import FAST
 
 jobs = jobq.Job.__table__
@@ -100,7 +100,7 @@ def test_a_worker_running_one_job_at_a_time_finishes_each_on_the_cursor(engine: 
     assert built == []  # nothing built per job
 
 
-@only("postgresql", "mysql", "mariadb")  # SQLite's clock is this machine's, and it has no NOTIFY
+@needs(no="local_clock")  # the server's clock read on the cursor (and NOTIFY where there is one)
 def test_an_enqueue_reads_the_clock_and_wakes_listeners_on_the_cursor(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
     real = jobq._on_cursor
@@ -142,7 +142,7 @@ def test_an_enqueued_row_is_the_row_connection_execute_writes(engine: sa.Engine)
     assert direct["priority"] == 5 and direct["args"] == {"a": [1, "é", None]} and direct["result"] is None
 
 
-@only("sqlite", "postgresql", "mariadb")  # MySQL has no INSERT ... RETURNING: Connection.execute inserts
+@needs("returning")  # without RETURNING Connection.execute inserts
 def test_an_insert_that_drops_a_column_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: the prebuilt insert leaves out a column the row has (priority falls back to its
     default, 0)."""
@@ -188,13 +188,13 @@ def _wake_ups(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> tuple[int, 
     return len(sent), len(got)
 
 
-@only("postgresql")
+@needs("notify_listen")
 def test_a_wake_up_is_sent_once_a_transaction_and_again_after_its_savepoint_rolls_back(
         engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _wake_ups(engine, monkeypatch) == (2, 1)
 
 
-@only("postgresql")
+@needs("notify_listen")
 def test_a_wake_up_thought_sent_by_a_rolled_back_savepoint_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: the wake-up marked on the outer transaction: the one the savepoint took with it
     is never sent again, and the listener hears nothing."""
@@ -308,14 +308,14 @@ def _lost(engine: sa.Engine) -> tuple[BaseException, bool]:
             conn.close()
 
 
-@only("postgresql", "mysql", "mariadb")  # a server session to kill
+@needs(no="local_clock")  # a server session to kill
 def test_a_connection_lost_on_the_cursor_is_invalidated(engine: sa.Engine) -> None:
     exc, invalidated = _lost(engine)
     assert isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated, repr(exc)
     assert invalidated
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs(no="local_clock")  # a server session to kill
 def test_a_lost_connection_left_valid_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: errors wrapped, but a disconnect not recognised (the pool would hand the dead
     connection out again, and _transaction would not know the transaction never committed)."""
@@ -376,7 +376,7 @@ def _as_sent(engine: sa.Engine, stmt: Any, params: dict[str, Any]) -> tuple[str,
         return expanded, None if literal is None else cur.mogrify(literal, values)
 
 
-@only("mysql", "mariadb")  # the engines whose driver writes parameters into the SQL text
+@needs("literal_int_lists")  # the driver writes parameters into the SQL text
 def test_an_id_list_goes_to_the_server_as_the_driver_would_write_it(engine: sa.Engine) -> None:
     d = jobq._prepare(engine)
     expanded, literal = _as_sent(engine, _ids_read(engine), {"b_ids": [30, 2, 11]})
@@ -388,7 +388,7 @@ def test_an_id_list_goes_to_the_server_as_the_driver_would_write_it(engine: sa.E
     assert literal == expanded
 
 
-@only("mysql", "mariadb")
+@needs("literal_int_lists")
 def test_a_list_that_is_not_all_ints_is_left_to_sqlalchemy(engine: sa.Engine) -> None:
     ids = [jobq.enqueue(engine, "t") for _ in range(3)]
     stmt = _ids_read(engine)
@@ -400,7 +400,7 @@ def test_a_list_that_is_not_all_ints_is_left_to_sqlalchemy(engine: sa.Engine) ->
         conn.rollback()
 
 
-@only("mysql", "mariadb")
+@needs("literal_int_lists")
 def test_a_list_written_without_checking_its_values_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: every list written into the SQL text as it comes: a string in it is SQL."""
 

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import snapshot, state
 
 UTC = dt.UTC
@@ -156,7 +156,7 @@ def test_enqueue_in_a_session_rolls_back_with_the_caller(engine: sa.Engine) -> N
     assert state(engine, jid) == "ready"
 
 
-@only("postgresql", "mysql", "mariadb")  # on SQLite the claim would wait for the writer's lock
+@needs("row_locks")  # on SQLite the claim would wait for the writer's lock
 def test_enqueue_on_a_connection_is_claimable_only_after_commit(engine: sa.Engine) -> None:
     """A job enqueued on the caller's Connection is invisible to claims on other connections until
     the caller commits, and claimable right after."""

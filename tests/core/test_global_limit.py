@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import FAST, INNODB_TRX_POLL, backend_id, wait_for, waits_for_a_row_lock
 
 ONE_LINE = "jobq: "
@@ -100,7 +100,7 @@ def _claim_while_the_cap_is_lowered(engine: sa.Engine, own_cap: int | None) -> t
     return got[0], in_flight
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks: on SQLite the claim's BEGIN IMMEDIATE waits before it reads
+@needs("row_locks")  # on SQLite the claim's BEGIN IMMEDIATE waits before it reads
 @pytest.mark.parametrize("own_cap", [None, 8])
 def test_a_cap_lowered_while_a_claim_waits_for_the_lock_binds_that_claim(engine: sa.Engine, own_cap: int | None) -> None:
     """set_limit lowers the stored cap from 5 to 1 under the claim lock while a claim waits for
@@ -110,7 +110,7 @@ def test_a_cap_lowered_while_a_claim_waits_for_the_lock_binds_that_claim(engine:
     assert _claim_while_the_cap_is_lowered(engine, own_cap) == (1, 1)
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs("row_locks")
 @pytest.mark.parametrize("own_cap", [None, 8])
 def test_the_lowered_cap_check_catches_a_cap_read_before_the_claim_lock(
         engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, own_cap: int | None) -> None:

@@ -53,12 +53,12 @@ def _all_at_once(engine: sa.Engine, worker: type[jobq.Worker], wait: float) -> l
     return [jobq.get(engine, i).state for i in ids]  # type: ignore[union-attr]
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_a_claims_dispatches_all_run_at_once(engine: sa.Engine) -> None:
     assert _all_at_once(engine, jobq.Worker, wait=60) == ["done"] * 16
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_broken_a_dispatch_waiting_behind_a_running_handler_is_caught(engine: sa.Engine) -> None:
     # The barrier waits 1 s here: with one thread it can never open, and this keeps the run short.
     assert "failed" in _all_at_once(engine, _NoSecondTaker, wait=1)
@@ -95,17 +95,17 @@ def _written_while_another_runs(engine: sa.Engine, worker: type[jobq.Worker], wa
     return seen == [True]
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_an_outcome_is_written_while_other_handlers_still_run(engine: sa.Engine) -> None:
     assert _written_while_another_runs(engine, jobq.Worker, wait=60)
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_broken_a_loop_woken_only_when_idle_is_caught(engine: sa.Engine) -> None:
     assert not _written_while_another_runs(engine, _WakeOnlyWhenIdle, wait=1)
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_threads_are_reused_and_every_job_runs_once(engine: sa.Engine, executor: str) -> None:
     """Several claims' worth of jobs through eight slots, on handler threads that are reused:
@@ -169,12 +169,12 @@ def _after_a_refused_claim_thread(engine: sa.Engine, monkeypatch: pytest.MonkeyP
     return idle, [(j.state, j.attempts) for j in jobs if j is not None]
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_a_refused_thread_start_strands_no_dispatch(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _after_a_refused_claim_thread(engine, monkeypatch, jobq.Worker, wait=60) == (True, [("done", 1)] * 3)
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_broken_a_refused_thread_counted_as_on_its_way_is_caught(engine: sa.Engine,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Stranded: nothing ever takes the queued dispatches, so the worker is never idle (2 s is
@@ -194,12 +194,12 @@ def _after_a_refused_second_thread(engine: sa.Engine, monkeypatch: pytest.Monkey
     return idle, [jobq.get(engine, i).state for i in ids]  # type: ignore[union-attr]
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 def test_a_handler_thread_refused_another_runs_the_rest(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _after_a_refused_second_thread(engine, monkeypatch, jobq.Worker, wait=60) == (True, ["done"] * 4)
 
 
-@only("sqlite")
+@only("sqlite")  # the hand-off never touches the database: one engine is enough
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the broken thread's end
 def test_broken_a_handler_thread_ended_by_a_refusal_is_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     # The thread that took job 1 ends before running it: job 1 is held, heartbeated, never run.

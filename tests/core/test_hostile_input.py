@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import snapshot, state, wait_for
 
 UTC = dt.UTC
@@ -85,7 +85,7 @@ def test_json_one_level_deeper_is_refused_on_every_engine(engine: sa.Engine, sha
     assert snapshot(engine) == before
 
 
-@only("mariadb")  # json_max_depth: the engine whose JSON_VALID sets MAX_JSON_DEPTH
+@needs("json_max_depth")  # the engine whose JSON_VALID sets MAX_JSON_DEPTH
 def test_max_json_depth_is_exactly_what_the_strictest_engine_stores(engine: sa.Engine) -> None:
     """The limit is measured, not guessed: MariaDB's CHECK (json_valid(args)) accepts
     MAX_JSON_DEPTH nested containers and refuses one more, in every shape. Written past

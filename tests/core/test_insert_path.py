@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import snapshot, state
 
 jobs = jobq.Job.__table__
@@ -118,7 +118,7 @@ def test_concurrent_submits_each_get_their_own_rows_ids(engine: sa.Engine) -> No
     assert _mislabelled(engine, got) == []
 
 
-@only("mysql")  # the one engine without RETURNING (_Dialect.insert_block)
+@needs(no="returning")  # _Dialect.insert_block
 @pytest.mark.parametrize("broken", [False, True], ids=["correct", "broken-step-1"])
 def test_submit_ids_follow_auto_increment_increment(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
                                                     broken: bool) -> None:

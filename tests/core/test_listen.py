@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import wait_for
 
 
@@ -72,7 +72,7 @@ def _quiet(ticks: list[float], seconds: float) -> None:
             n, since = len(ticks), time.monotonic()
 
 
-@only("postgresql")  # NOTIFY is PostgreSQL's
+@needs("notify_listen")
 def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine) -> None:
     """A listening worker with an hour's poll, idle: a newly enqueued job, and a dependent released
     by a finalize, start long before it, because the NOTIFY woke it. A broken NOTIFY path shows as
@@ -103,7 +103,7 @@ def test_notify_wakes_a_listening_worker_long_before_its_poll(engine: sa.Engine)
         t.join(10)
 
 
-@only("postgresql")
+@needs("notify_listen")
 def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_only_latency(engine: sa.Engine) -> None:
     """The server kills the idle worker's listener connection. Correct: a job enqueued in the gap
     still starts, the cut is reported as a db_error, a job enqueued with no NOTIFY at all is
@@ -153,7 +153,7 @@ def test_a_killed_listener_reconnects_and_polls_and_dropped_notifications_cost_o
         admin.dispose()
 
 
-@only("sqlite", "mysql", "mariadb")
+@needs(no="notify_listen")
 def test_listen_is_refused_where_it_cannot_work(engine: sa.Engine) -> None:
     """listen=True where there is no LISTEN/NOTIFY (SQLite, MySQL, MariaDB) is refused when the
     Worker is built, with a ConfigError naming psycopg, instead of silently polling."""

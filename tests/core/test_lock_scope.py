@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 
 jobs = jobq.Job.__table__
 N = 8  # rows per statement: enough that the ready index looks cheaper than N primary key reads
@@ -115,12 +115,12 @@ def _off_their_index(engine: sa.Engine) -> list[str]:
     return out
 
 
-@only("mysql", "mariadb")  # InnoDB: a locking statement waits for every row it examines
+@needs("index_hints")  # InnoDB: a locking statement waits for every row it examines
 def test_statements_that_name_rows_by_id_reach_them_by_the_primary_key(engine: sa.Engine) -> None:
     assert _off_their_index(engine) == []
 
 
-@only("mysql", "mariadb")
+@needs("index_hints")
 def test_the_statements_without_their_index_hints_are_caught(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN: the hints dropped (every WHERE reported as not naming rows by id)."""
     monkeypatch.setattr(jobq, "_pins_ids", lambda where: False)
@@ -162,12 +162,12 @@ def _waits_on_an_unrelated_row(engine: sa.Engine, via: str = "PRIMARY") -> bool:
     return False
 
 
-@only("mysql", "mariadb")
+@needs("index_hints")
 def test_a_finalize_decrement_does_not_wait_for_an_unrelated_locked_job(engine: sa.Engine) -> None:
     assert not _waits_on_an_unrelated_row(engine), "the UPDATE waited for a row it does not name"
 
 
-@only("mysql", "mariadb")
+@needs("index_hints")
 def test_the_decrement_through_the_ready_index_waits_for_an_unrelated_locked_job(engine: sa.Engine) -> None:
     """BROKEN: the plan both engines choose without the hint once few jobs are waiting (EXPLAIN:
     8 ids against 3 waiting rows among 2,000). Whether they choose it here depends on the

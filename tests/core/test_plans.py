@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs, only
 from helpers import wait_for
 
 NOW = dt.datetime(2030, 1, 1)
@@ -77,7 +77,7 @@ def _check(name: str, plan: str) -> None:
             assert any(f"INDEX {p}" in step for p in PARTIAL), f"{name}: {plan}"
 
 
-@only("sqlite", "postgresql")  # the engines with partial indexes
+@needs("partial_indexes")
 def test_hot_claim_queries_use_the_partial_indexes(engine: sa.Engine) -> None:
     """Every hot claim query (in flight per group, ready groups, candidates, expired leases) is
     planned on an ix_jobs_ index, never on a scan of the jobs table or of a full
@@ -87,7 +87,7 @@ def test_hot_claim_queries_use_the_partial_indexes(engine: sa.Engine) -> None:
         _check(name, _plans(engine, build(engine)))
 
 
-@only("sqlite")
+@only("sqlite")  # SQLite's planner trap: ANALYZE while every row is ready
 def test_statistics_gathered_while_everything_was_ready_do_not_move_the_claim_off_the_index(engine: sa.Engine) -> None:
     """The SQLite trap: ANALYZE run while every row is ready teaches the planner that the
     partial index covers the whole table; once done rows pile up, a rowid scan would cost a
@@ -100,7 +100,7 @@ def test_statistics_gathered_while_everything_was_ready_do_not_move_the_claim_of
         _check(name, _plans(engine, build(engine)))
 
 
-@only("sqlite")
+@only("sqlite")  # read from SQLite's EXPLAIN QUERY PLAN
 def test_the_broken_index_predicate_is_caught(engine: sa.Engine) -> None:
     """The harness can fail: with the partial index spelled "WHERE in_flight" (the bug), SQLite
     plans the in-flight count as a full scan and the assertion above would catch it."""
@@ -111,7 +111,7 @@ def test_the_broken_index_predicate_is_caught(engine: sa.Engine) -> None:
     assert "SCAN jobs" in plan
 
 
-@only("sqlite", "postgresql")
+@needs("partial_indexes")
 def test_the_idle_check_written_as_one_or_is_caught(engine: sa.Engine) -> None:
     """BROKEN variant of run_until_idle's idle check: one WHERE with an OR over the ready and
     the leased or running rows (as it was until 2026-12-04). No partial index covers the OR,
@@ -123,7 +123,7 @@ def test_the_idle_check_written_as_one_or_is_caught(engine: sa.Engine) -> None:
         _check("one OR", _plans(engine, broken))
 
 
-@only("sqlite", "postgresql")
+@only("sqlite", "postgresql")  # plans read in SQLite's and PostgreSQL's EXPLAIN formats (_plans)
 def test_the_due_check_searches_the_due_index(engine: sa.Engine) -> None:
     """The claim's first question (is anything due?) is a search of ix_jobs_due, ordered by
     run_after, which stops at its first entry; not a walk of the ready index, whose order puts
@@ -141,7 +141,7 @@ def _span_dives(plan: str) -> bool:
     return plan.count("SEARCH jobs USING INDEX ix_jobs_ready") == 2 and "SCAN jobs USING INDEX ix_jobs_ready" not in plan
 
 
-@only("sqlite")
+@only("sqlite")  # read from SQLite's EXPLAIN QUERY PLAN
 def test_the_span_of_ready_groups_is_two_index_dives(engine: sa.Engine) -> None:
     """The first and the last group with ready work, alone (_Q_READY_GROUP_SPAN) and with the
     in-flight counts (_Q_SLOTS_AND_SPAN): a search at each end of the ready index, whatever the
@@ -154,7 +154,7 @@ def test_the_span_of_ready_groups_is_two_index_dives(engine: sa.Engine) -> None:
     assert not _span_dives(_plans(engine, broken))
 
 
-@only("postgresql")
+@only("postgresql")  # PostgreSQL's planner trap: stale statistics
 def test_stale_statistics_cannot_turn_the_claim_into_a_table_scan(engine: sa.Engine) -> None:
     """The PostgreSQL trap measured in the benchmark: ANALYZE taken while many jobs were in
     flight makes the planner expect thousands of in-flight rows and read the whole table for
@@ -180,7 +180,7 @@ def test_stale_statistics_cannot_turn_the_claim_into_a_table_scan(engine: sa.Eng
     assert jit == "off"
 
 
-@only("sqlite", "postgresql")
+@needs("partial_indexes")
 def test_stats_reads_only_indexes(engine: sa.Engine) -> None:
     """stats() (what `jobq status` shows) must stay cheap on a table with millions of finished
     rows: every statement it runs is planned on an index, none scans the jobs table. Each
@@ -227,7 +227,7 @@ def _lock_chosen_plan(engine: sa.Engine, stmt: sa.Select, ids: list[int], **valu
         return out
 
 
-@only("sqlite", "postgresql")
+@only("sqlite", "postgresql")  # PostgreSQL's trap, with SQLite, whose plans _plans reads too
 def test_the_claims_locking_read_goes_by_primary_key_on_fresh_statistics(engine: sa.Engine) -> None:
     """The claim locks its chosen candidates by id (_q_lock_chosen): 64 primary-key probes,
     whatever the ready set holds. Right after a bulk enqueue (no ANALYZE yet) PostgreSQL
@@ -247,7 +247,7 @@ def test_the_claims_locking_read_goes_by_primary_key_on_fresh_statistics(engine:
         assert "ix_jobs_ready" in _lock_chosen_plan(engine, broken, ids)  # the trap is real on this server
 
 
-@only("postgresql")  # the engine whose claim locks, leases and logs in one statement (dml_ctes)
+@needs("dml_ctes")  # the claim locks, leases and logs in one statement
 def test_the_claims_one_statement_lock_and_lease_goes_by_primary_key(engine: sa.Engine) -> None:
     """On PostgreSQL the locking read, the lease and the start log are one statement
     (_q_lock_and_lease). Its UPDATE joins the locked rows back to jobs: that join must be
@@ -281,7 +281,7 @@ def _window_json(d: jobq._Dialect, ready: bool) -> sa.Select:
     return sa.select(j.c.group_key, j.c.id, j.c.weight).select_from(g).join(j, j.c.id.in_(inner.scalar_subquery()))
 
 
-@only("sqlite")
+@only("sqlite")  # SQLite's json_each window read, in its EXPLAIN QUERY PLAN
 def test_the_json_window_read_walks_the_ready_index_per_group(engine: sa.Engine) -> None:
     """SQLite's window read (_q_window_json: one JSON array of groups, a correlated LIMITed read
     per group; and the same read joined to the group scan, _q_ready_groups_read) must probe
@@ -333,7 +333,7 @@ def _check_by_parent(name: str, plan: str) -> None:
         assert not (step.startswith("SCAN ") and "INDEX" not in step), f"{name}: {plan}"
 
 
-@only("sqlite", "postgresql")  # the engines with partial indexes
+@needs("partial_indexes")
 def test_lookups_by_parent_use_the_partial_children_index(engine: sa.Engine) -> None:
     """ix_jobs_children holds only the rows that have a parent (most jobs have none, and on
     PostgreSQL each claim and finish of such a job wrote an entry for its NULL into the full
@@ -345,7 +345,7 @@ def test_lookups_by_parent_use_the_partial_children_index(engine: sa.Engine) -> 
         _check_by_parent(name, _plans(engine, build(engine)))
 
 
-@only("sqlite", "postgresql")
+@needs("partial_indexes")
 def test_a_children_index_the_lookups_cannot_use_is_caught(engine: sa.Engine) -> None:
     """BROKEN variant: the children index with a predicate no lookup implies (the held index's,
     pasted). The planners cannot use it, and the check above fails for the lookups."""
@@ -365,7 +365,7 @@ def _count_in(conn: sa.Connection, engine: sa.Engine, analyze: bool = False) -> 
     return " | ".join(r[0] for r in conn.exec_driver_sql(verb + sql))
 
 
-@only("postgresql")
+@only("postgresql")  # PostgreSQL's dead index entries until vacuum
 def test_the_pinned_count_walks_the_in_flight_index_and_marks_its_dead_entries(engine: sa.Engine) -> None:
     """Every finished job leaves a dead entry in ix_jobs_in_flight until vacuum. A bitmap scan
     never marks the dead entries it meets, so each tick's count visited every entry since the

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs, only
 from helpers import recorded_version
 
 
@@ -69,7 +69,7 @@ def test_unknown_dialect_is_refused() -> None:
         jobq.create_schema(eng)
 
 
-@only("mariadb")
+@only("mariadb")  # MariaDB reached through a mysql:// URL
 def test_mariadb_is_recognised_through_a_mysql_url(dialect: str) -> None:
     """mysql+pymysql:// URLs that reach MariaDB report dialect 'mysql' with is_mariadb."""
     from dbs import server_url
@@ -105,7 +105,7 @@ def test_parent_key_exists_except_on_oracle_mysql(engine: sa.Engine, dialect: st
     assert _parent_keys(engine) == []
 
 
-@only("mariadb")
+@only("mariadb")  # MariaDB reached through a mysql:// URL
 def test_mariadb_keeps_the_parent_key_through_a_mysql_url(dialect: str) -> None:
     """The key is skipped by the server's family, not the URL's: MariaDB reached through a
     mysql+pymysql:// URL keeps it."""
@@ -118,7 +118,7 @@ def test_mariadb_keeps_the_parent_key_through_a_mysql_url(dialect: str) -> None:
     eng.dispose()
 
 
-@only("postgresql")  # storage parameters are PostgreSQL's
+@needs("tunable")  # storage parameters
 def test_the_jobs_table_is_tuned_for_churn(engine: sa.Engine) -> None:
     """On PostgreSQL the jobs table is created with fillfactor=70 and a low autovacuum scale factor,
     for its constant updates."""
@@ -131,7 +131,7 @@ def _index_keys(engine: sa.Engine) -> dict[str, list[str]]:
     return {i["name"]: i["column_names"] for i in sa.inspect(engine).get_indexes("jobs")}
 
 
-@only("mysql", "mariadb")  # the engines without partial indexes
+@needs(no="partial_indexes")
 def test_only_the_ready_index_leads_with_state_on_mysql_and_mariadb(engine: sa.Engine) -> None:
     """Every state change (a claim's lease, a finish) moves an entry of each index that leads
     with state; where partial indexes are missing only the claim's own scan and the due check
@@ -143,7 +143,7 @@ def test_only_the_ready_index_leads_with_state_on_mysql_and_mariadb(engine: sa.E
     assert keys["ix_jobs_finished_my"] == ["finished_at"] and keys["ix_jobs_held_my"] == ["spawned_by"]
 
 
-@only("mysql", "mariadb")
+@needs(no="partial_indexes")
 def test_state_led_indexes_of_before_are_rekeyed_in_place(engine: sa.Engine, dialect: str) -> None:
     """A database made before the re-keying ((state, finished_at) and (state, spawned_by)) is
     re-keyed by create_schema (twice: idempotent) without losing a row; prune, stats() and
@@ -186,7 +186,7 @@ def test_state_led_indexes_of_before_are_rekeyed_in_place(engine: sa.Engine, dia
     assert jobq.prune(engine, dt.timedelta(hours=32)) == 80  # finished 32 h 0.5 min to 33 h 19.5 min before the test's clock
 
 
-@only("sqlite", "postgresql")
+@needs("partial_indexes")
 def test_the_full_parent_index_of_before_is_replaced_by_the_partial_one(engine: sa.Engine) -> None:
     """A database made by an earlier jobq has ix_jobs_parent over every row. create_schema
     (twice: idempotent) makes the partial ix_jobs_children and drops the full index, and

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only, server_url
+from dbs import needs, server_url
 from helpers import db_now
 
 PROCESSES = 6
@@ -94,7 +94,7 @@ def _schema_2_without_autoincrement() -> sa.MetaData:
     return md
 
 
-@only("sqlite")  # capability: rowid_reuse (only SQLite's primary key reuses the largest id)
+@needs("rowid_reuse")  # only SQLite's primary key reuses the largest id
 def test_an_old_sqlite_jobs_table_is_rebuilt_so_ids_are_not_reused(engine: sa.Engine) -> None:
     """create_schema on a schema-2 SQLite database rebuilds ``jobs`` with AUTOINCREMENT, in
     place: the rows, their edges and the indexes survive, the highest id ever used is

@@ -27,7 +27,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import INNODB_TRX_POLL, backend_id, expire_leases, snapshot, wait_for, waits_for_a_row_lock
 
 jobs = jobq.Job.__table__
@@ -452,7 +452,7 @@ def _cancel_inside_the_release(engine: sa.Engine, monkeypatch: pytest.MonkeyPatc
     return x, got[0], _rows(engine)
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks: on SQLite the cancel waits for the whole finalize
+@needs("row_locks")  # on SQLite the cancel waits for the whole finalize
 def test_a_cancel_racing_the_release_waits_for_it_and_the_job_ends_cancelled(
         engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The release locks the held rows it reads: a cancel of one of them arriving between that
@@ -465,7 +465,7 @@ def test_a_cancel_racing_the_release_waits_for_it_and_the_job_ends_cancelled(
     assert jobq.claim_batch(engine, "w", 30) == []
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs("row_locks")
 def test_the_release_race_check_catches_an_unlocked_read(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The broken variant: the release's read of the held rows takes no lock."""
     monkeypatch.setattr(jobq, "_q_held_spawns", lambda d, spawners: sa.select(

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import FAST, INNODB_TRX_POLL, jobs, snapshot, wait_for
 
 
@@ -179,7 +179,7 @@ def _race_with_an_uncommitted_holder(engine: sa.Engine, b_returns_first: bool = 
     return a, got[0]
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks: SQLite has one writer, so B waits on BEGIN IMMEDIATE instead
+@needs("row_locks")  # SQLite has one writer, so B waits on BEGIN IMMEDIATE instead
 def test_an_enqueue_racing_an_uncommitted_holder_waits_and_returns_its_id(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Correct: B waits on the unique index for A, then returns A's id, and there is one row.
     The broken variant, a check outside the index (jobq's own SELECT-then-INSERT with the

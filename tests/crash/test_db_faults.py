@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs, only
 from helpers import REPORT, wait_for
 from procs import events, executions, finalized, start
 
@@ -109,7 +109,7 @@ def test_workers_survive_connections_being_cut_mid_run(engine: sa.Engine, db_url
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs(no="local_clock")  # a server to cut
 def test_a_cut_while_jobq_first_connects_to_a_server_is_retried(engine: sa.Engine, db_url: str) -> None:
     """The first thing jobq does with a new engine (Worker(), or any queue call) is connect once
     to learn the server's version. A cut that lands on that connection is retried on a fresh
@@ -149,7 +149,7 @@ def test_a_cut_while_jobq_first_connects_to_a_server_is_retried(engine: sa.Engin
     assert failures == [], failures
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs(no="local_clock")  # a server to cut
 @pytest.mark.parametrize("cut_after", ["commit", "rollback"])
 def test_a_cut_after_commit_loses_neither_the_result_nor_a_pool_slot(engine: sa.Engine, db_url: str,
                                                                      cut_after: str) -> None:
@@ -239,7 +239,7 @@ def _server_control(dialect: str, db_url: str) -> tuple[list[str], list[str], li
     return None
 
 
-@only("postgresql", "mysql", "mariadb")  # SQLite has no server to restart
+@needs(no="local_clock")  # a server to restart
 def test_workers_survive_a_server_restart_with_connections_refused(engine: sa.Engine, db_url: str, dialect: str,
                                                                    tmp_path: pathlib.Path) -> None:
     """The database server is shut down mid-run (every connection dies), stays down for two
@@ -307,7 +307,7 @@ def test_lock_wait_timeout_in_the_claim_is_retried_whole(engine: sa.Engine) -> N
     assert info is not None and info.attempts == 1  # one claim, not one per try
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs("row_locks")
 def test_real_deadlocks_are_classified_retryable(engine: sa.Engine) -> None:
     """Two sessions lock two rows in opposite order; the server kills one with a deadlock error
     (40P01 / 1213). jobq must classify exactly that error as retryable, and not an integrity

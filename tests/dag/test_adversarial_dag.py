@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import INNODB_TRX_POLL, backend_id, snapshot, state, wait_for, waits_for_a_row_lock
 
 jobs = jobq.Job.__table__
@@ -279,7 +279,7 @@ def _cancel_held_at(engine: sa.Engine, held: int, root: int, meanwhile: Any) -> 
     assert out.get("cancel") == "cancelled", out.get("cancel")
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks: SQLite serialises writers, so no window exists
+@needs("row_locks")  # SQLite serialises writers, so no window exists
 def test_cancel_of_a_container_leaves_a_job_that_finished_meanwhile_done(engine: sa.Engine) -> None:
     """Item 4a: cancel read the subtree's waiting/ready members with plain SELECTs and settled
     every one it had read as cancelled. A job in a nested container that finished in between
@@ -300,7 +300,7 @@ def test_cancel_of_a_container_leaves_a_job_that_finished_meanwhile_done(engine:
     assert [jobq.claim(engine, "w", 30)] == [dep]
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks: SQLite serialises writers, so no window exists
+@needs("row_locks")  # SQLite serialises writers, so no window exists
 def test_cancel_of_a_container_cancels_a_child_enqueued_meanwhile(engine: sa.Engine) -> None:
     """Item 4b: a child enqueued into a nested container after cancel had listed the subtree
     must not stay ready inside the cancelled container. cancel locks each container before it

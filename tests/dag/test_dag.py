@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import FAST, snapshot, state, wait_for
 
 
@@ -261,7 +261,7 @@ def _waiting_on_a_lock(engine: sa.Engine) -> int:
         return int(conn.execute(sa.text(q)).scalar() or 0)
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks: SQLite runs the two transactions one after the other
+@needs("row_locks")  # SQLite runs the two transactions one after the other
 @pytest.mark.parametrize("how", ["finalize", "worker"])
 def test_a_dependent_enqueued_while_its_upstream_finishes_is_released(engine: sa.Engine, how: str) -> None:
     """The interleaving that lost a dependent on PostgreSQL: an enqueue of ``down`` (depends on

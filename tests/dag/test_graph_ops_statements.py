@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 from helpers import counted
 
 jobs = jobq.Job.__table__
@@ -175,7 +175,7 @@ def _edges_read(engine: sa.Engine, d: jobq._Dialect, head: int) -> int:
     return read(plan["Plan"])
 
 
-@only("postgresql")
+@needs("lateral_edges")
 def test_the_walk_reads_each_jobs_edges_even_before_job_deps_is_analysed(engine: sa.Engine,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before autovacuum first analyses job_deps, PostgreSQL guessed thousands of edges per job

@@ -58,7 +58,7 @@ def test_claim_sees_jobs_committed_after_its_transaction_began(engine: sa.Engine
     assert _claim_after_snapshot(engine, "REPEATABLE READ") == []
 
 
-@only("mysql", "mariadb")
+@only("mysql", "mariadb")  # MySQL/MariaDB's session variables and default level
 def test_jobq_sets_its_isolation_level_per_transaction_only(engine: sa.Engine) -> None:
     """READ COMMITTED is set for each jobq transaction alone (SET TRANSACTION, whose effect the
     test above shows); the session keeps the server's default, inside jobq's transaction and
@@ -84,7 +84,7 @@ def _hold_claim_open(url: str, immediate: bool, inside: threading.Event, release
     return t
 
 
-@only("sqlite")
+@only("sqlite")  # SQLite's BEGIN IMMEDIATE and its lock file
 @pytest.mark.parametrize("immediate", [True, False], ids=["begin-immediate", "BROKEN-deferred-begin"])
 def test_two_connections_are_never_inside_the_claim_at_once(db_url: str, dialect: str, immediate: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,7 +115,7 @@ def test_two_connections_are_never_inside_the_claim_at_once(db_url: str, dialect
     assert entered_together is (not immediate)
 
 
-@only("sqlite")
+@only("sqlite")  # SQLITE_BUSY and busy_timeout are SQLite's
 def test_sqlite_busy_is_retried_and_the_connection_stays_usable(db_url: str, dialect: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write lock held longer than busy_timeout makes SQLite answer SQLITE_BUSY; the claim
     retries the whole transaction instead of crashing or losing the job (and the pooled
@@ -176,7 +176,7 @@ def test_workers_with_different_handler_sets_claim_only_their_types(engine: sa.E
     assert len(ran) == 60
 
 
-@only("sqlite")
+@only("sqlite")  # the lock file is the SQLite driver's own
 def test_a_stuck_holder_of_the_lock_file_cannot_hang_other_processes(db_url: str, dialect: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """jobq's transactions on SQLite first take `<db>-jobq.lock` (processes then hand the write
@@ -244,7 +244,7 @@ def _watch_the_wait(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.
     return waiting
 
 
-@only("sqlite")
+@only("sqlite")  # the lock file is the SQLite driver's own
 @pytest.mark.parametrize("wake", [True, False], ids=["wake-up", "BROKEN-no-wake-up"])
 def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: str, dialect: str, wake: bool,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,7 +289,7 @@ def test_a_process_waiting_for_the_lock_file_is_woken_as_it_is_let_go(db_url: st
         eng.dispose()
 
 
-@only("sqlite")
+@only("sqlite")  # the wake pipe beside the database file is the SQLite driver's own
 def test_something_other_than_a_pipe_where_the_wake_pipe_goes_is_left_alone(dialect: str, tmp_path: pathlib.Path) -> None:
     """A regular file at `<db>-jobq.wake` (it would read as always ready: a busy loop) is not
     used or touched: jobq polls the lock file instead, and claims as before."""
@@ -305,7 +305,7 @@ def test_something_other_than_a_pipe_where_the_wake_pipe_goes_is_left_alone(dial
     eng.dispose()
 
 
-@only("sqlite")
+@only("sqlite")  # the lock file is the SQLite driver's own
 def test_the_wait_for_the_lock_file_works_with_a_pipe_past_descriptor_1023(db_url: str, dialect: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A process with many files open (a server's sockets) gets a pipe descriptor past 1023,
@@ -350,7 +350,7 @@ def test_the_wait_for_the_lock_file_works_with_a_pipe_past_descriptor_1023(db_ur
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@only("sqlite")
+@only("sqlite")  # the lock file's wake pipe is the SQLite driver's own
 def test_a_waiter_empties_the_pipe_of_bytes_nobody_waited_for(db_url: str, dialect: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Every release writes a byte, and while nobody waits they pile up in the pipe. A waiter
@@ -429,7 +429,7 @@ if sys.argv[2] == "fork":
 """
 
 
-@only("sqlite")
+@only("sqlite")  # the lock file is the SQLite driver's own
 @pytest.mark.parametrize("how", ["exit", "fork"])
 def test_the_lock_files_descriptors_are_closed_only_by_their_own_engine(db_url: str, dialect: str, how: str,
                                                                         tmp_path: pathlib.Path) -> None:

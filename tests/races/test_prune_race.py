@@ -28,7 +28,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs, only
 from harness import SUMMARY
 from helpers import INNODB_TRX_POLL, backend_id, db_now, wait_for, waits_for_a_row_lock
 
@@ -124,7 +124,7 @@ BROKEN: dict[str, tuple[Callable[..., sa.Select[Any]], str]] = {
 }
 
 
-@only("postgresql", "mysql", "mariadb")  # row locks; SQLite: see the test below
+@needs("row_locks")  # SQLite: see the test below
 @pytest.mark.parametrize("point", ["prune_read", "prune_locked"])
 def test_prune_never_deletes_what_a_concurrent_retry_reopened(engine: sa.Engine, dialect: str, point: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,7 +144,7 @@ def test_prune_never_deletes_what_a_concurrent_retry_reopened(engine: sa.Engine,
         assert (r["retry_waited"], r["pruned"], r["left"]) == (True, 2, {})
 
 
-@only("postgresql", "mysql", "mariadb")
+@needs("row_locks")
 @pytest.mark.parametrize("variant", sorted(BROKEN))
 def test_harness_catches_a_prune_that_deletes_what_retry_reopened(engine: sa.Engine, dialect: str, variant: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +159,7 @@ def test_harness_catches_a_prune_that_deletes_what_retry_reopened(engine: sa.Eng
     assert caught, f"the harness did not catch {variant}: {r}"
 
 
-@only("sqlite")
+@only("sqlite")  # SQLite's write lock; the row-lock engines: the two tests above
 def test_sqlite_prune_holds_the_write_lock_from_read_to_delete(engine: sa.Engine, db_url: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLite has no row locks and needs none here: at both of prune's checkpoints the

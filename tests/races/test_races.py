@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from dbs import only
+from dbs import needs
 from harness import CLOCK_MARGIN, ROUNDS, SUMMARY, DrainResult, run_drain, run_last_slot
 from helpers import most_surely_in_window
 
@@ -50,7 +50,7 @@ def test_no_double_dispatch_under_contention_across_many_groups(db_url: str, dia
     assert r.claims == r.jobs
 
 
-@only("postgresql", "mysql", "mariadb")  # on SQLite, BEGIN IMMEDIATE serialises the two reads
+@needs("row_locks")  # on SQLite, BEGIN IMMEDIATE serialises the two reads
 def test_harness_catches_a_lock_by_id_that_does_not_recheck_the_state(db_url: str, dialect: str,
                                                                      tmp_path: pathlib.Path) -> None:
     """The check above can fail: locking the chosen candidates by id alone leases some twice."""
@@ -84,7 +84,7 @@ def test_harness_catches_read_then_update(db_url: str, dialect: str, tmp_path: p
     _trials(db_url, dialect, tmp_path, "read_then_update", lambda r: r.duplicates > 0, n_jobs=200, batch_max=3)
 
 
-@only("sqlite")  # the trap is SQLite's: with_for_update is silently ignored there
+@needs(no="row_locks")  # the trap of an engine without row locks: with_for_update is silently ignored
 def test_harness_catches_for_update_without_begin_immediate(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
     """with_for_update on SQLite, under pysqlite's own transaction handling, locks nothing."""
     _trials(db_url, dialect, tmp_path, "sqlite_for_update_only", lambda r: r.duplicates > 0, n_jobs=200, batch_max=3)
@@ -105,7 +105,7 @@ def test_harness_catches_cap_checked_outside_the_claim(db_url: str, dialect: str
             n_jobs=200, cap=3, hold=0.005, batch_max=3)
 
 
-@only("postgresql", "mysql", "mariadb")  # on SQLite, BEGIN IMMEDIATE already serialises the count
+@needs("row_locks")  # on SQLite, BEGIN IMMEDIATE already serialises the count
 def test_harness_catches_skip_locked_without_a_cap_lock(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
     """SKIP LOCKED alone: two claimers skip each other's rows and both take the last slot."""
     _trials(db_url, dialect, tmp_path, "skip_locked_without_cap_lock", lambda r: r.max_overlap > 3,
@@ -262,7 +262,7 @@ def test_a_stored_global_cap_binds_claimers_without_a_cap_of_their_own(db_url: s
     assert 2 <= r.max_overlap <= 3
 
 
-@only("postgresql", "mysql", "mariadb")  # on SQLite, BEGIN IMMEDIATE already serialises the count
+@needs("row_locks")  # on SQLite, BEGIN IMMEDIATE already serialises the count
 def test_harness_catches_a_stored_global_cap_read_without_the_claim_lock(db_url: str, dialect: str,
                                                                         tmp_path: pathlib.Path) -> None:
     """A claim with no cap of its own that obeys the stored cap but does not take the claim

@@ -30,7 +30,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only, wipe
+from dbs import needs, wipe
 from helpers import INNODB_TRX_POLL, backend_id, db_now, wait_for, waits_for_a_row_lock
 
 jobs = jobq.Job.__table__
@@ -187,7 +187,7 @@ def test_the_check_catches_an_outsider_handed_a_held_job(engine: sa.Engine, monk
     assert any("0 jobs with the key" in b for b in bad) and any("wiring y" in b for b in bad), bad
 
 
-@only("postgresql", "mysql", "mariadb")  # on SQLite, BEGIN IMMEDIATE: the second lookup sees the first insert
+@needs("row_locks")  # on SQLite, BEGIN IMMEDIATE: the second lookup sees the first insert
 def test_the_check_catches_an_insert_that_does_not_look_again_when_its_key_was_taken(
         engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """BROKEN variant: a spawn or enqueue that gives up when the key it looked up as free was

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 import jobq
 import jobq_web
-from dbs import only
+from dbs import needs
 from helpers import JOBQ_CLI
 from webclient import Reply, call
 
@@ -437,7 +437,7 @@ def test_mounted_under_a_prefix_links_stay_inside_it(engine: sa.Engine) -> None:
     assert not re.search(r'(href|src|action)="/(?!ops/jobq)', body)
 
 
-@only("sqlite", "postgresql")  # the engines with partial indexes, as test_stats_reads_only_indexes
+@needs("partial_indexes")  # as test_stats_reads_only_indexes
 def test_the_overview_reads_only_indexes(engine: sa.Engine) -> None:
     """The overview stays cheap on millions of finished rows: every statement it runs is
     planned on an index, none scans the jobs table."""
