@@ -129,9 +129,39 @@ def engine_facts() -> str:
     return "\n".join(out)
 
 
+CLAIM_SQL_MARKER = "<!-- claim-sql -->"
+
+
+def claim_sql() -> str:
+    """The claim's three core statements compiled for each engine, exactly as jobq builds them
+    (jobq/claim_sql.py), so the page cannot drift from the code."""
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    from jobq import claim_sql as cs
+    from jobq.drivers import _capabilities
+
+    engines = [("PostgreSQL", "postgresql", (15,), postgresql.dialect()),
+               ("MySQL", "mysql", (8, 0, 40), mysql.dialect()),
+               ("MariaDB", "mariadb", (10, 11), mysql.dialect(is_mariadb=True)),
+               ("SQLite", "sqlite", (3, 40), sqlite.dialect())]
+    steps = [("The claim lock (the cap row)", cs._q_lock_claim),
+             ("Lock the chosen jobs", cs._q_lock_chosen),
+             ("Lease them", cs._q_lease)]
+    out = []
+    for label, family, version, dialect in engines:
+        d = _capabilities(family, version)
+        out += [f"### {label}", ""]
+        for title, build in steps:
+            sql = str(build(d).compile(dialect=dialect)).replace("__[POSTCOMPILE_b_ids]", "%s, %s, ...")
+            out += [f"{title}:", "", "```sql", sql.strip(), "```", ""]
+    return "\n".join(out)
+
+
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     if ENGINE_MARKER in markdown:
         markdown = markdown.replace(ENGINE_MARKER, engine_facts())
+    if CLAIM_SQL_MARKER in markdown:
+        markdown = markdown.replace(CLAIM_SQL_MARKER, claim_sql())
     return markdown
 
 
