@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import only
+from dbs import needs
 
 WORKER = "w1"
 Form = Callable[[sa.Connection, Any, list[Any], dt.datetime], None]
@@ -156,7 +156,7 @@ def _claimed(engine: sa.Engine, d: Any, groups: list[str]) -> tuple[list[Any], l
     return [dataclasses.replace(x, token="") for x in leases], jobs, starts
 
 
-@only("postgresql")  # data-modifying WITH (d.dml_ctes): the claim's lock and lease as one statement
+@needs("dml_ctes")  # data-modifying WITH: the claim's lock and lease as one statement
 @pytest.mark.parametrize("one_group", [False, True], ids=["window", "one-group"])
 def test_the_lease_in_the_claims_statement_writes_what_the_separate_lease_writes(engine: sa.Engine, one_group: bool) -> None:
     """_q_lock_and_lease (lock, lease and start log in one statement) against the locking read
