@@ -31,6 +31,7 @@ import jobq
 
 started = time.monotonic()
 live = peak = 0
+cancelled: list[str] = []  # stop reasons of cancelled tasks
 
 
 def say(msg: str) -> None:
@@ -50,12 +51,13 @@ async def crawl(ctx: jobq.JobContext) -> dict:
         return {"bytes": 1000 + ctx.id}
     except asyncio.CancelledError:
         say(f"crawl job {ctx.id}: task cancelled ({ctx.stop_reason})")
+        cancelled.append(str(ctx.stop_reason))
         raise
     finally:
         live -= 1
 
 
-async def main(url: str) -> None:
+async def main(url: str) -> bool:
     engine = create_async_engine(url)
     await jobq.aio.create_schema(engine)
     async with engine.begin() as conn:  # the service's own table, next to jobq's
@@ -74,19 +76,30 @@ async def main(url: str) -> None:
             else:
                 await session.commit()
                 ids.append(jid)
+                if page == "slow":
+                    slow_id = jid
     say(f"enqueued {len(ids)} jobs; job {gone} exists: {await jobq.aio.get(engine, gone) is not None}")
 
     worker = jobq.AsyncWorker(engine, {"crawl": crawl}, max_concurrency=3, poll_interval=0.05,
                               retry_backoff=lambda attempt: 0.1)
     await worker.run_until_idle(timeout=60)
 
+    infos = []
     for jid in ids:
         info = await jobq.aio.get(engine, jid)
         assert info is not None
+        infos.append(info)
         say(f"job {jid}: {info.state}, attempts={info.attempts}, result={info.result}")
-    states = (await jobq.aio.stats(engine))["states"]
-    say(f"peak concurrency {peak} (cap 3); done={states['done']}")
+    done = sum(1 for i in infos if i.state == "done")
+    say(f"peak concurrency {peak} (cap 3); done={done}")
+    slow = infos[ids.index(slow_id)]
+    exists = await jobq.aio.get(engine, gone) is not None
     await engine.dispose()
+    ok = (not exists and done == len(ids) and peak == 3 and cancelled == ["timed_out"] and slow.attempts == 2)
+    print(f"verdict: {'OK' if ok else 'NOT SHOWN'}: the rolled-back job does not exist; {done} of {len(ids)} jobs "
+          f"done; peak {peak} tasks (cap 3); the stuck task was cancelled ({', '.join(cancelled) or 'never'}) "
+          f"and done on attempt {slow.attempts}")
+    return ok
 
 
 if __name__ == "__main__":
@@ -97,4 +110,11 @@ if __name__ == "__main__":
     u = sa.engine.make_url(url)  # a sync URL works too: use the async driver for its database
     async_driver = {"sqlite": "aiosqlite", "mysql": "aiomysql", "mariadb": "aiomysql", "postgresql": "psycopg"}
     url = u.set(drivername=f"{u.get_backend_name()}+{async_driver[u.get_backend_name()]}").render_as_string(hide_password=False)
-    asyncio.run(main(url))
+    try:  # SQLAlchemy's asyncio bridge and the async driver for this database
+        import greenlet  # noqa: F401
+        __import__(async_driver[u.get_backend_name()])
+    except ImportError as exc:
+        print(f"async_crawl.py needs jobq's asyncio extra ({exc.name} is missing): pip install 'jobq[asyncio]'",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(0 if asyncio.run(main(url)) else 1)

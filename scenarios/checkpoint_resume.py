@@ -8,6 +8,9 @@ What this shows:
     * ctx.progress(done, total): carried by the heartbeat, shown by get(), jobq status and why;
     * the cost: steps done before the last checkpoint are never redone.
 
+It ends with a verdict line naming the partition the second attempt resumed at (exit status 1
+if it did not resume at the last checkpoint).
+
 Run:
     python scenarios/checkpoint_resume.py                      # SQLite file in a temp directory
     python scenarios/checkpoint_resume.py --url postgresql+psycopg://postgres@127.0.0.1/test
@@ -37,6 +40,7 @@ PARTITIONS = 8
 def export(ctx: jobq.JobContext) -> dict:
     """Export partitions one by one; remember the next partition and a running total."""
     state = ctx.state or {"next": 0, "rows": 0}
+    first = state["next"]
     where = "from the start" if ctx.state is None else f"from checkpoint {state}"
     print(f"  [pid {os.getpid()}] job {ctx.id} attempt {ctx.attempt}: starting {where}", flush=True)
     for part in range(state["next"], PARTITIONS):
@@ -47,7 +51,7 @@ def export(ctx: jobq.JobContext) -> dict:
         ctx.progress(part + 1, PARTITIONS, f"partition {part} exported")  # carried by the checkpoint below
         ctx.checkpoint(state)
         print(f"  [pid {os.getpid()}] exported partition {part}, checkpoint {state}", flush=True)
-    return {"rows": state["rows"], "resumed_at": ctx.attempt}
+    return {"rows": state["rows"], "first_partition": first, "attempt": ctx.attempt}
 
 
 def run_worker(url: str) -> None:
@@ -81,8 +85,14 @@ def main() -> None:
     info = jobq.get(engine, jid)
     assert info is not None
     print(f"job {jid} is {info.state}, attempts={info.attempts}, result={info.result}")
-    print(f"resumed at partition {saved['next']} of {PARTITIONS}; final checkpoint {info.checkpoint}; "
-          f"progress {info.progress}")
+    print(f"final checkpoint {info.checkpoint}; progress {info.progress}")
+    result = info.result or {}
+    ok = (info.state == "done" and info.attempts == 2 and result.get("first_partition") == saved["next"]
+          and result.get("rows") == PARTITIONS * 1000)
+    print(f"verdict: {'OK' if ok else 'NOT SHOWN'}: attempt {result.get('attempt')} resumed at partition "
+          f"{result.get('first_partition')} of {PARTITIONS} (the last checkpoint before the kill said "
+          f"{saved['next']}), so partitions 0-{saved['next'] - 1} were not redone; {result.get('rows')} rows")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

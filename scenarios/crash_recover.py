@@ -72,8 +72,14 @@ def main() -> None:
     assert info is not None
     print(f"after {time.monotonic() - t0:.1f}s: job {jid} is {info.state}, attempts={info.attempts}, result={info.result}")
     print(f"its current error: {info.error}")
-    for a in jobq.attempts(engine, jid):
-        print(f"attempt {a.attempt} by {a.worker_id}: {a.outcome}" + (f" ({a.error})" if a.error else ""))
+    outcomes = []
+    for att in jobq.attempts(engine, jid):
+        outcomes.append(att.outcome)
+        print(f"attempt {att.attempt} by {att.worker_id}: {att.outcome}" + (f" ({att.error})" if att.error else ""))
+    ok = info.state == "done" and info.attempts == 2 and outcomes == ["reclaimed", "done"] and info.error is None
+    print(f"verdict: {'OK' if ok else 'NOT SHOWN'}: the job held by the killed worker was reclaimed after its lease "
+          f"expired and finished by worker B: {info.state}, attempts {' then '.join(outcomes)}")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,12 @@ def report(ctx: jobq.JobContext) -> dict:
     crawl = jobq.get(ctx_engine, ctx.args["crawl"])
     print(f"report: crawl container {ctx.args['crawl']} is {crawl.state if crawl else '?'}; "
           f"{sum(fetched.values())} page fetches")
+    seen_by_report.append(sum(fetched.values()))
     return {"pages": sum(fetched.values())}
 
 
 ctx_engine: sa.Engine
+seen_by_report: list[int] = []  # page fetches the report saw when it ran
 
 
 def main() -> None:
@@ -107,8 +109,15 @@ def main() -> None:
     with engine.connect() as conn:
         pages = conn.execute(sa.select(sa.func.count()).where(jobq.Job.parent_id == ids["crawl"])).scalar_one()
     print(f"\ncrawl container: {crawl.state}; {pages} page jobs in it; site has {len(SITE)} pages")
-    print(f"fetched once each: {sorted(fetched) == sorted(SITE) and set(fetched.values()) == {1}}")
-    print(f"report: {jobq.get(engine, ids['report']).state}")  # type: ignore[union-attr]
+    once = sorted(fetched) == sorted(SITE) and set(fetched.values()) == {1}
+    print(f"fetched once each: {once}")
+    report_state = jobq.get(engine, ids["report"]).state  # type: ignore[union-attr]
+    print(f"report: {report_state}")
+    ok = once and crawl.state == "done" and report_state == "done" and seen_by_report == [len(SITE)]
+    print(f"verdict: {'OK' if ok else 'NOT SHOWN'}: the container rolled up only when all {len(SITE)} pages were "
+          f"done (the report saw {seen_by_report[0] if seen_by_report else 'nothing'}); each page fetched once, "
+          f"the failed attempt's spawns discarded")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,19 @@
-"""A low-latency pipeline: each stage enqueues the next; on PostgreSQL the worker is woken by
-LISTEN/NOTIFY instead of waiting for its next poll.
+"""A low-latency pipeline: requests arrive from outside the worker, each runs three stages
+(each stage enqueues the next); on PostgreSQL an idle worker is woken by LISTEN/NOTIFY instead
+of waiting for its next poll.
 
 What this shows:
-    * Worker(listen=True): enqueue and released dependents NOTIFY; the worker wakes at once;
-    * polling stays on (here every 2 s) so nothing waits forever if a notification is lost;
-    * per-hop latency: how long from enqueue to start. On SQLite (no NOTIFY) the same script
-      runs with polling only, which shows the difference.
+    * a stage enqueued by a running job starts at once on every engine: the worker claims
+      again as soon as a job finishes, no poll involved;
+    * a request enqueued from outside while the worker is idle: with Worker(listen=True) on
+      PostgreSQL (psycopg 3) the NOTIFY wakes the worker, which starts it within milliseconds
+      although it polls only once a second; the verdict requires every such wait to be under
+      half the poll interval (a worker that polled would wait about 0.75 s here);
+    * on engines without LISTEN/NOTIFY the same script falls back to polling: each outside
+      request waits for the worker's next poll (here each arrives 0.25 s into a 1 s wait).
+      Polling stays on with LISTEN too, so nothing waits forever if a notification is lost.
+
+It ends with a verdict line (exit status 1 if the run did not show it).
 
 Run:
     python scenarios/pipeline_listen.py --url postgresql+psycopg://postgres@127.0.0.1/test
@@ -20,6 +28,7 @@ import pathlib
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -28,9 +37,13 @@ import sqlalchemy as sa
 
 import jobq
 
-HOPS = 20
+REQUESTS = 6
+STAGES = 3
+POLL = 1.0
 enqueued_at: dict[int, float] = {}
-latencies: list[float] = []
+outside: list[float] = []  # enqueue -> start of a request's first stage (enqueued by the producer)
+inside: list[float] = []  # enqueue -> start of a later stage (enqueued by the running stage before it)
+finished = threading.Event()
 
 
 def main() -> None:
@@ -43,21 +56,41 @@ def main() -> None:
     listen = engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
 
     def stage(ctx: jobq.JobContext) -> dict:
-        latencies.append(time.monotonic() - enqueued_at[ctx.id])
-        n = ctx.args["hop"]
-        if n + 1 < HOPS:
-            enqueued_at[jobq.enqueue(engine, "stage", {"hop": n + 1})] = time.monotonic()
-        return {"hop": n}
+        n = ctx.args["stage"]
+        (outside if n == 0 else inside).append(time.monotonic() - enqueued_at[ctx.id])
+        if n + 1 < STAGES:
+            enqueued_at[jobq.enqueue(engine, "stage", {"request": ctx.args["request"], "stage": n + 1})] = time.monotonic()
+        else:
+            finished.set()
+        return {"stage": n}
 
-    poll = 2.0 if listen else 0.2
-    worker = jobq.Worker(engine, {"stage": stage}, max_concurrency=2, poll_interval=poll, listen=listen)
-    enqueued_at[jobq.enqueue(engine, "stage", {"hop": 0})] = time.monotonic()
-    t0 = time.monotonic()
-    worker.run_until_idle(timeout=120)
-    mode = "LISTEN/NOTIFY" if listen else f"polling every {poll}s"
-    print(f"{HOPS} hops in {time.monotonic() - t0:.2f}s with {mode}")
-    print(f"enqueue->start per hop: median {statistics.median(latencies) * 1000:.1f} ms, "
-          f"max {max(latencies) * 1000:.1f} ms")
+    worker = jobq.Worker(engine, {"stage": stage}, max_concurrency=2, poll_interval=POLL, listen=listen)
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    for request in range(REQUESTS):  # one at a time, each while the worker is idle
+        time.sleep(0.25)  # the worker has gone back to waiting for its next poll (or a NOTIFY)
+        finished.clear()
+        enqueued_at[jobq.enqueue(engine, "stage", {"request": request, "stage": 0})] = time.monotonic()
+        finished.wait(timeout=30)
+    worker.stop()
+    runner.join()
+
+    done = sum(1 for jid in enqueued_at if (info := jobq.get(engine, jid)) is not None and info.state == "done")
+    ms = {k: (statistics.median(v) * 1000, max(v) * 1000) for k, v in (("outside", outside), ("inside", inside))}
+    print(f"{REQUESTS} requests of {STAGES} stages: {done} jobs done")
+    print(f"enqueued from outside, worker idle: median {ms['outside'][0]:.1f} ms, max {ms['outside'][1]:.1f} ms")
+    print(f"enqueued by the stage before:       median {ms['inside'][0]:.1f} ms, max {ms['inside'][1]:.1f} ms")
+    complete = done == REQUESTS * STAGES
+    if listen:
+        ok = complete and max(outside) < POLL / 2
+        print(f"verdict: {'OK' if ok else 'NOT SHOWN'}: LISTEN/NOTIFY woke the idle worker: outside requests "
+              f"started after at most {ms['outside'][1]:.1f} ms with a {POLL:.0f} s poll interval")
+    else:
+        ok = complete
+        print(f"verdict: {'OK' if ok else 'NOT SHOWN'}: no LISTEN/NOTIFY on {engine.dialect.name}, polling "
+              f"every {POLL:.0f} s: outside requests waited for the next poll (median {ms['outside'][0]:.0f} ms); "
+              f"all {done} jobs done")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ What this shows:
 jobq.py itself never imports Pydantic: this lives in your code.
 
 Run:
-    python scenarios/pydantic_boundary.py                  # needs: pip install pydantic
+    python scenarios/pydantic_boundary.py                  # needs: pip install 'pydantic>=2'
     python scenarios/pydantic_boundary.py --url postgresql+psycopg://postgres@127.0.0.1/test
 """
 
@@ -25,8 +25,13 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import pydantic
 import sqlalchemy as sa
+
+try:
+    import pydantic
+except ImportError:
+    print("pydantic_boundary.py needs Pydantic v2: pip install 'pydantic>=2' (jobq itself does not)", file=sys.stderr)
+    sys.exit(2)
 
 import jobq
 
@@ -58,15 +63,22 @@ def main() -> None:
     good = InvoiceArgs(customer="ACME", amount=decimal.Decimal("12.50"), due=dt.date(2027, 1, 31))
     ok_id = jobq.enqueue(engine, "send_invoice", good.model_dump(mode="json"))
     bad_id = jobq.enqueue(engine, "send_invoice", {"customer": "Initech", "amount": "lots"}, max_attempts=1)
+    refused = False
     try:
         jobq.enqueue(engine, "send_invoice", good.model_dump())  # not JSON-safe: Decimal, date
     except jobq.InvalidJob as exc:
+        refused = True
         print(f"refused at enqueue, nothing written: {exc}")
     jobq.Worker(engine, {"send_invoice": send_invoice}, max_concurrency=2, poll_interval=0.05).run_until_idle(timeout=60)
     ok = InvoiceResult.model_validate(jobq.get(engine, ok_id).result)  # type: ignore[union-attr]
     print(f"job {ok_id}: done, result parsed back into InvoiceResult: {ok!r}")
     bad = jobq.get(engine, bad_id)
-    print(f"job {bad_id}: {bad.state}; first line of the error: {bad.error.splitlines()[0]}")  # type: ignore[union-attr]
+    first_line = bad.error.splitlines()[0]  # type: ignore[union-attr]
+    print(f"job {bad_id}: {bad.state}; first line of the error: {first_line}")  # type: ignore[union-attr]
+    shown = refused and ok.total_cents == 1250 and bad.state == "failed" and first_line.startswith("ValidationError")  # type: ignore[union-attr]
+    print(f"verdict: {'OK' if shown else 'NOT SHOWN'}: non-JSON args refused at enqueue; valid args round-tripped "
+          f"through the model ({ok.total_cents} cents); invalid stored args failed with a ValidationError, no retry")
+    sys.exit(0 if shown else 1)
 
 
 if __name__ == "__main__":

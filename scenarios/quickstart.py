@@ -89,8 +89,14 @@ def main() -> None:
         info = jobq.get(engine, jid)
         assert info is not None
         print(f"{jid:<4} {info.type:<10} {info.state:<6} {info.attempts:<9} {info.result}")
-    final = jobq.get(engine, load_id)
-    print("\nall done" if final is not None and final.state == "done" else "\nNOT all done")
+    infos = {jid: jobq.get(engine, jid) for jid in [fetch_id, parts, *kids, load_id]}
+    order = [line.split("] ", 1)[1].split()[0] for line in log if "fails" not in line]  # handler names, in start order
+    in_order = order[0] == "fetch" and order[-1] == "load" and order.count("transform") == len(kids)
+    retried = infos[kids[1]].attempts == 2  # type: ignore[union-attr]
+    ok = in_order and retried and all(i is not None and i.state == "done" for i in infos.values())
+    print(f"\nverdict: {'OK' if ok else 'NOT SHOWN'}: fetch ran first, the three parts after it, load after the "
+          f"container rolled up; part 2 failed once and was retried: {'all done' if ok else 'NOT all done'}")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
