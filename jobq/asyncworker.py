@@ -130,7 +130,7 @@ class AsyncWorker(_WorkerCore):
         except asyncio.CancelledError:
             # How an asyncio service stops: no grace, but nothing left running or leased.
             self._stopping.set()
-            await self._drive(self._drain_steps(0, unwind=self.shutdown_timeout))
+            await self._drive(self._drain_steps(0, unwind=self.options.shutdown_timeout))
             raise
         finally:
             done()

@@ -45,7 +45,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TYPE_CHECKING, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, orm
@@ -7249,33 +7249,26 @@ def _format_error(exc: BaseException) -> str:
 # The worker: one loop (scan, rank, lease, dispatch, persist, reclaim) written once as steps,
 # run by Worker on threads or processes.
 
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(WorkerOptions))
+
+
 class _WorkerCore:
     """What Worker and AsyncWorker share: the tick, the writes, heartbeats, timeouts, and the
     loops as generators of steps (see the section's opening comment). Not public."""
 
     def __init__(self, engine: Engine, handlers: Mapping[str, Callable[[JobContext], Any]], options: WorkerOptions) -> None:
         o = self.options = options
+        # The options that WorkerOptions types as optional (None: the default) but resolves,
+        # typed as resolved; the others are read from self.options (and as attributes).
+        self.local_concurrency: int = o.local_concurrency  # type: ignore[assignment]
+        self.heartbeat_interval: float = o.heartbeat_interval  # type: ignore[assignment]
+        self.worker_id: str = o.worker_id  # type: ignore[assignment]
+        self.retry_backoff: Callable[[int], float] = o.retry_backoff  # type: ignore[assignment]
         self.engine = engine
         self.handlers = dict(handlers)
         self._types = sorted(self.handlers)
-        # The resolved options, as attributes (as before WorkerOptions existed).
-        self.max_concurrency: int = o.max_concurrency
-        self.local_concurrency: int = o.local_concurrency  # type: ignore[assignment]  # resolved
         self._told_cap: int | None = None  # the stored global cap this worker last warned about
-        self.lease_ttl: float = o.lease_ttl
-        self.heartbeat_interval: float = o.heartbeat_interval  # type: ignore[assignment]  # resolved
-        self.poll_interval: float = o.poll_interval
-        self.worker_id: str = o.worker_id  # type: ignore[assignment]  # resolved
-        self.timeout = o.timeout
-        self.group_caps: dict[str, int] = dict(o.group_caps or {})
-        self.rate_limits: dict[str, tuple[int, float]] = dict(o.rate_limits or {})
-        self.retry_backoff: Callable[[int], float] = o.retry_backoff or backoff
-        self.shutdown_timeout: float = o.shutdown_timeout
-        self.executor = o.executor
-        self.listen = o.listen
-        self.on_event = o.on_event
-        self.finalize_delay: float = o.finalize_delay
-        if self.listen and not _listen_supported(engine):
+        if self.options.listen and not _listen_supported(engine):
             raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
         self._clock = _Clock(engine)
         self._lock = threading.Lock()
@@ -7292,7 +7285,27 @@ class _WorkerCore:
         self._last_sweep = -math.inf  # the first tick sweeps
         # Reclaim runs on a cadence, not on every tick: an expired lease waits at most this long
         # (plus a tick) for a live worker's sweep, and a busy worker saves a statement per tick.
-        self._sweep_every: float = min(self.lease_ttl / 4, _SWEEP_SECONDS)
+        self._sweep_every: float = min(self.options.lease_ttl / 4, _SWEEP_SECONDS)
+
+    # The other options, read-only as attributes too: worker.lease_ttl is worker.options.lease_ttl.
+    max_concurrency: int
+    lease_ttl: float
+    poll_interval: float
+    timeout: float | None
+    group_caps: dict[str, int]
+    rate_limits: dict[str, tuple[int, float]]
+    shutdown_timeout: float
+    executor: str
+    start_method: str
+    listen: bool
+    on_event: Callable[[Event], None] | None
+    finalize_delay: float
+
+    if not TYPE_CHECKING:  # (hidden from mypy, which would take every unknown attribute as Any)
+        def __getattr__(self, name: str) -> Any:
+            if name in _OPTION_NAMES:
+                return getattr(self.options, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- public control --------------------------------------------------------------------
 
@@ -7324,7 +7337,7 @@ class _WorkerCore:
             pause = min(self._pause(), _NOTIFY_RECHECK) if notified else self._pause()
             yield max(0.0, pause - (time.monotonic() - began))
             yield from self._gather_steps()
-        yield from self._drain_steps(self.shutdown_timeout)
+        yield from self._drain_steps(self.options.shutdown_timeout)
 
     def _until_idle_steps(self, timeout: float | None) -> Generator[Any, Any, bool]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -7343,7 +7356,7 @@ class _WorkerCore:
         """Results that complete close together are written together: once one is waiting,
         give the other busy handlers up to ``finalize_delay`` to finish too (no wait at all
         when none is busy, so a long job's result is written at once)."""
-        deadline = time.monotonic() + self.finalize_delay
+        deadline = time.monotonic() + self.options.finalize_delay
         while True:
             with self._lock:
                 if not self._finished or self._busy == 0 or self._stopping.is_set():
@@ -7399,7 +7412,7 @@ class _WorkerCore:
             self._persist()
         self._lost(stalled)
         for row in reclaimed:
-            _emit(self.on_event, Event("reclaimed", row.id, row.type, row.group_key, row.attempts, self.worker_id,
+            _emit(self.options.on_event, Event("reclaimed", row.id, row.type, row.group_key, row.attempts, self.worker_id,
                                        error=f"lease expired; now {row.state}"))
         if leases:
             _checkpoint("claimed", [lease.id for lease in leases])
@@ -7421,24 +7434,24 @@ class _WorkerCore:
             reclaimed = list(conn.execute(_q_reclaimed(sorted(ids))).all())
             with self._lock:
                 mine = [r for r in self._running.values() if r.lease.id in ids and not r.returned]
-            _hold_slots(conn, mine, self.worker_id, now + _dt.timedelta(seconds=self.lease_ttl))
+            _hold_slots(conn, mine, self.worker_id, now + _dt.timedelta(seconds=self.options.lease_ttl))
         if limit <= 0:
             return reclaimed, [], mine
         return reclaimed, _lease_rows(
-            conn, d, worker_id=self.worker_id, ttl=self.lease_ttl, now=now, limit=limit, types=self._types,
-            max_in_flight=self.max_concurrency, group_caps=self.group_caps or None, state="running",
-            rate_limits=self.rate_limits or None, fresh_now=True, seen_cap=self._stored_cap,
+            conn, d, worker_id=self.worker_id, ttl=self.options.lease_ttl, now=now, limit=limit, types=self._types,
+            max_in_flight=self.options.max_concurrency, group_caps=self.options.group_caps or None, state="running",
+            rate_limits=self.options.rate_limits or None, fresh_now=True, seen_cap=self._stored_cap,
         ), mine
 
     def _stored_cap(self, cap: int) -> None:
         """The claim read the database's stored global cap: say once (per value) that this
         worker's own max_concurrency differs from it, and which applies."""
-        if cap != self.max_concurrency and cap != self._told_cap:
+        if cap != self.options.max_concurrency and cap != self._told_cap:
             self._told_cap = cap
             logger.warning(
                 "worker %s: max_concurrency=%d differs from the global cap stored in the database (%d, "
-                "jobq.set_limit / `jobq limit`): the smaller, %d, applies", self.worker_id, self.max_concurrency,
-                cap, min(cap, self.max_concurrency),
+                "jobq.set_limit / `jobq limit`): the smaller, %d, applies", self.worker_id, self.options.max_concurrency,
+                cap, min(cap, self.options.max_concurrency),
                 extra={"action": "global_cap", "worker_id": self.worker_id})
 
     def _lost(self, runs: Sequence[_Running]) -> None:
@@ -7453,24 +7466,24 @@ class _WorkerCore:
                     if not run.returned:
                         self._abandoned.append(run)
         for run in runs:
-            _emit(self.on_event, Event("lease_lost", run.lease.id, run.lease.type, run.lease.group_key,
+            _emit(self.options.on_event, Event("lease_lost", run.lease.id, run.lease.type, run.lease.group_key,
                                        run.lease.attempt, self.worker_id))
         self._stop_handlers(runs)
 
     def _events_wanted(self, level: int) -> bool:
         # The per-job events cost more than the rest of a no-op dispatch: skip building them
         # when there is no hook and the jobq logger would drop them anyway.
-        return self.on_event is not None or logger.isEnabledFor(level)
+        return self.options.on_event is not None or logger.isEnabledFor(level)
 
     def _pause(self) -> float:
         # Back off while the database is failing: 0.1 s doubling to 5 s, never a hot loop.
         if self._db_failures:
             return min(5.0, 0.1 * 2 ** min(self._db_failures - 1, 6))
-        return self.poll_interval
+        return self.options.poll_interval
 
     def _db_error(self, exc: BaseException, job_id: int = 0, note: str = "") -> None:
         self._db_failures += 1
-        _emit(self.on_event, Event("db_error", job_id, worker_id=self.worker_id, error=note + _one_line(exc)))
+        _emit(self.options.on_event, Event("db_error", job_id, worker_id=self.worker_id, error=note + _one_line(exc)))
 
     def _safe_tick(self) -> int:
         try:
@@ -7504,7 +7517,7 @@ class _WorkerCore:
         for lease in leases:
             ctx = JobContext(lease, self)
             ctx._save = save
-            timeout = lease.timeout if lease.timeout is not None else self.timeout
+            timeout = lease.timeout if lease.timeout is not None else self.options.timeout
             run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now, self)
             ctx._spawner = run
             runs.append(run)
@@ -7517,9 +7530,9 @@ class _WorkerCore:
             for run in runs:
                 lease = run.lease
                 if claimed:
-                    _emit(self.on_event, Event("claimed", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+                    _emit(self.options.on_event, Event("claimed", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
                 if started:
-                    _emit(self.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+                    _emit(self.options.on_event, Event("started", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
         self._start_all(runs)
 
     def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
@@ -7724,7 +7737,7 @@ class _WorkerCore:
         for run in gave_up:
             # The lease is left to expire: the job is reclaimed and runs again (or ends failed
             # as a poison job), at least once as always.
-            _emit(self.on_event, Event("db_error", run.lease.id, run.lease.type, run.lease.group_key, run.lease.attempt,
+            _emit(self.options.on_event, Event("db_error", run.lease.id, run.lease.type, run.lease.group_key, run.lease.attempt,
                                        self.worker_id, error=f"gave up writing its outcome: {_one_line(exc)}"))
 
     def _written(self, batch: _Batch, applied: list[str | None]) -> None:
@@ -7748,14 +7761,14 @@ class _WorkerCore:
             ev = functools.partial(Event, job_id=lease.id, type=lease.type, group=lease.group_key, attempt=lease.attempt,
                                    worker_id=self.worker_id, duration_s=dur)
             if written is None:
-                _emit(self.on_event, ev("lease_lost", error="result discarded: the lease was lost"))
+                _emit(self.options.on_event, ev("lease_lost", error="result discarded: the lease was lost"))
             elif written == "cancelled":
-                _emit(self.on_event, ev("cancelled"))
+                _emit(self.options.on_event, ev("cancelled"))
             elif kind == "ok":
-                _emit(self.on_event, ev("finished"))
+                _emit(self.options.on_event, ev("finished"))
             else:
                 action = "retried" if kind == "error" and lease.attempt < lease.max_attempts else "failed"
-                _emit(self.on_event, ev(action, error=_one_line(payload)))
+                _emit(self.options.on_event, ev(action, error=_one_line(payload)))
 
     # -- releasing runs whose handler is still going --------------------------------------
 
@@ -7766,7 +7779,7 @@ class _WorkerCore:
         for run in runs:
             run.ctx._signal(reason)
         now = self._clock.now()
-        expires = now + _dt.timedelta(seconds=self.lease_ttl)
+        expires = now + _dt.timedelta(seconds=self.options.lease_ttl)
 
         def write(conn: Connection, d: _Dialect) -> None:
             # spawned=True: a handler still going may be inside a spawn right now (it commits
@@ -7822,7 +7835,7 @@ class _WorkerCore:
             return
         for run in late:
             lease = run.lease
-            _emit(self.on_event, Event("timed_out", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id,
+            _emit(self.options.on_event, Event("timed_out", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id,
                                        now_m - run.started, outcome(run).error))
 
     def _pending(self) -> list[_Running]:
@@ -7836,7 +7849,7 @@ class _WorkerCore:
                 self._abandon(pending, "shutdown", lambda r: _Outcome(r.lease.id, self.worker_id, r.lease.token, "release"))
                 for run in pending:
                     lease = run.lease
-                    _emit(self.on_event, Event("released", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
+                    _emit(self.options.on_event, Event("released", lease.id, lease.type, lease.group_key, lease.attempt, self.worker_id))
             except _DB_FAULTS as exc:
                 self._db_error(exc)  # the leases will expire and be reclaimed
         self._persist()  # outcomes that arrived meanwhile; frees slots of returned handlers
@@ -7851,13 +7864,13 @@ class _WorkerCore:
         if not runs and not holding and not unheld:
             return
         started = time.monotonic()
-        margin = min(self.heartbeat_interval, self.lease_ttl * 0.2)
+        margin = min(self.heartbeat_interval, self.options.lease_ttl * 0.2)
 
         def fence_stale() -> None:
             # Self-fence: past lease_ttl minus a margin without a successful beat, another worker
             # may already have reclaimed the job. Stop and never write its result.
             for r in runs:
-                if time.monotonic() - r.last_beat > self.lease_ttl - margin:
+                if time.monotonic() - r.last_beat > self.options.lease_ttl - margin:
                     r.ctx._signal("lease_lost")
 
         # A request the network swallows (a partition) blocks this beat until the kernel gives
@@ -7868,7 +7881,7 @@ class _WorkerCore:
                              name="jobq-beat-watchdog").start()
         try:
             now = self._clock.now()
-            expires = now + _dt.timedelta(seconds=self.lease_ttl)
+            expires = now + _dt.timedelta(seconds=self.options.lease_ttl)
 
             def write(conn: Connection, d: _Dialect) -> set[tuple[str, int, bool]]:
                 if holding:
@@ -7879,7 +7892,7 @@ class _WorkerCore:
                 for r in runs:
                     by_token.setdefault(r.lease.token, []).append(r.lease)
                 for token, leases in by_token.items():
-                    held, cancel = _heartbeat_rows(conn, leases, self.lease_ttl, now)
+                    held, cancel = _heartbeat_rows(conn, leases, self.options.lease_ttl, now)
                     out.update((token, i, i in cancel) for i in held)
                 for r, p in reports:  # the latest progress of each handler, fenced like the beat
                     conn.execute(_q_progress(r.lease.id, r.lease.token, p))
@@ -7889,7 +7902,7 @@ class _WorkerCore:
 
             beat = _transaction(self.engine, write)
         except Exception as exc:  # noqa: BLE001 - the heartbeat outlives every fault
-            _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
+            _emit(self.options.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
             fence_stale()
             return
         finally:
@@ -7915,7 +7928,7 @@ class _WorkerCore:
             try:
                 _transaction(self.engine, lambda conn, d: _hold_slots(conn, lost, self.worker_id, expires))
             except Exception as exc:  # noqa: BLE001 - held on a later beat (unheld above)
-                _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
+                _emit(self.options.on_event, Event("db_error", 0, worker_id=self.worker_id, error=_one_line(exc)))
                 for r in lost:
                     r.ctx._signal("lease_lost")
                 return
@@ -8177,7 +8190,7 @@ class Worker(_WorkerCore):
         # Runs dispatches from the queue; parks when it is empty, and exits after
         # _IDLE_THREAD_SECONDS parked. It counts in _takers whenever it is on its way to the
         # queue: started, woken, or back from a handler.
-        target = self._execute_in_process if self.executor == "process" else self._execute
+        target = self._execute_in_process if self.options.executor == "process" else self._execute
         park = threading.Lock()
         park.acquire()
         while True:
@@ -8295,7 +8308,7 @@ class Worker(_WorkerCore):
         self._hb_stop = threading.Event()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(self._hb_stop,), name="jobq-heartbeat", daemon=True)
         self._hb_thread.start()
-        if self.listen:
+        if self.options.listen:
             threading.Thread(target=self._listen_loop, args=(self._hb_stop,), name="jobq-listen", daemon=True).start()
 
     def _listen_loop(self, stop: threading.Event) -> None:
@@ -8311,7 +8324,7 @@ class Worker(_WorkerCore):
                         self._notified = True
                         self._wake.set()
             except Exception as exc:  # noqa: BLE001 - the listener must outlive every database fault
-                _emit(self.on_event, Event("db_error", 0, worker_id=self.worker_id, error="listener: " + _one_line(exc)))
+                _emit(self.options.on_event, Event("db_error", 0, worker_id=self.worker_id, error="listener: " + _one_line(exc)))
                 stop.wait(delay)
                 delay = min(delay * 2, 5.0)
             finally:
@@ -8441,7 +8454,7 @@ class AsyncWorker(_WorkerCore):
         except asyncio.CancelledError:
             # How an asyncio service stops: no grace, but nothing left running or leased.
             self._stopping.set()
-            await self._drive(self._drain_steps(0, unwind=self.shutdown_timeout))
+            await self._drive(self._drain_steps(0, unwind=self.options.shutdown_timeout))
             raise
         finally:
             done()
