@@ -23,6 +23,7 @@ worker uses its own database on each server, derived from the named one (<name>_
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -35,8 +36,20 @@ nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["demo", "tests"]
 
-ENGINES = {"sqlite": "sqlite", "postgres": "postgresql", "mysql": "mysql", "mariadb": "mariadb"}
-URL_VAR = {"postgres": "JOBQ_TEST_POSTGRES_URL", "mysql": "JOBQ_TEST_MYSQL_URL", "mariadb": "JOBQ_TEST_MARIADB_URL"}
+
+def _engine_table() -> dict:
+    # The tests' table of engines (plain data): one row there is one more set of per-engine sessions.
+    spec = importlib.util.spec_from_file_location("engine_table", pathlib.Path(__file__).parent / "tests" / "engine_table.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ENGINES
+
+
+#: nox's engine name (tests-<short>) -> the dialect the suite calls it, and its URL variable.
+_TABLE = _engine_table()
+ENGINES = {e.short: dialect for dialect, e in _TABLE.items()}
+URL_VAR = {e.short: e.env for e in _TABLE.values() if e.env}
 TEST_DEPS = ["-e", ".[test]"]
 
 

@@ -21,6 +21,7 @@ from dbs import (  # noqa: E402
     NOT_TESTED,
     REQUIRED,
     TESTED,
+    file_url,
     not_tested_reason,
     reachable,
     server_url,
@@ -78,8 +79,8 @@ _schema_ready: set[str] = set()
 @pytest.fixture
 def db_url(dialect: str, tmp_path: pathlib.Path) -> Iterator[str]:
     """A URL to an empty jobq schema on ``dialect`` (a fresh file for SQLite)."""
-    if dialect == "sqlite":
-        url = f"sqlite:///{tmp_path / 'jobq.db'}"
+    url = file_url(dialect, str(tmp_path / "jobq.db"))
+    if url:  # an embedded engine: a fresh file
         eng = sa.create_engine(url)
         jobq.create_schema(eng)
         eng.dispose()

@@ -33,22 +33,14 @@ import tempfile
 
 import pytest
 import sqlalchemy as sa
+from engine_table import ENGINES
 
 import jobq
 
-ALL_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb")
-ENV_URL = {
-    "postgresql": "JOBQ_TEST_POSTGRES_URL",
-    "mysql": "JOBQ_TEST_MYSQL_URL",
-    "mariadb": "JOBQ_TEST_MARIADB_URL",
-}
-#: What a URL looks like, for the "not tested" line.
-URL_SHAPE = {
-    "postgresql": "postgresql+psycopg://user@host/db",
-    "mysql": "mysql+pymysql://user@host:3306/db",
-    "mariadb": "mariadb+pymysql://user@host:3306/db",
-}
-CONTAINER_IMAGES = {"postgresql": "postgres:16", "mysql": "mysql:8.4", "mariadb": "mariadb:11"}
+#: Every engine the suites know, in their order (one row each in engine_table.ENGINES).
+ALL_DIALECTS = tuple(ENGINES)
+#: The servers' URL variables (an embedded engine has none: it always runs, on a temporary file).
+ENV_URL = {d: e.env for d, e in ENGINES.items() if e.env}
 
 
 def _csv(name: str) -> list[str]:
@@ -90,13 +82,13 @@ def _testcontainers_installed() -> bool:
 
 def reachable(dialect: str) -> bool:
     """Decided without connecting: a URL was given, or testcontainers can start a server."""
-    if dialect == "sqlite" or os.environ.get(ENV_URL[dialect]):
+    if dialect not in ENV_URL or os.environ.get(ENV_URL[dialect]):
         return True
     return _docker_answers() and _testcontainers_installed()
 
 
 def not_tested_reason(dialect: str) -> str:
-    return (f"{dialect}: not tested: set {ENV_URL[dialect]}={URL_SHAPE[dialect]} "
+    return (f"{dialect}: not tested: set {ENV_URL[dialect]}={ENGINES[dialect].url_shape} "
             "(a database the suite may wipe)")
 
 
@@ -111,22 +103,21 @@ _containers: list[object] = []
 
 
 def _container_url(dialect: str) -> str | None:
-    if not _docker_answers():
+    e = ENGINES[dialect]
+    if not _docker_answers() or not (e.image and e.container and e.container_driver):
         return None
+    import importlib
+
+    module, _, cls = e.container.rpartition(".")
     try:  # testcontainers >= 4.15 moved its modules under testcontainers.community
-        if dialect == "postgresql":
-            from testcontainers.community.postgres import PostgresContainer as C  # type: ignore
-        else:
-            from testcontainers.community.mysql import MySqlContainer as C  # type: ignore
+        C = getattr(importlib.import_module(f"testcontainers.community.{module}"), cls)
     except ImportError:
         return None
-    c = C(CONTAINER_IMAGES[dialect])
+    c = C(e.image)
     c.start()
     _containers.append(c)
-    url = c.get_connection_url()
-    if dialect == "postgresql":
-        return url.replace("postgresql+psycopg2", "postgresql+psycopg")
-    return url.replace("mysql://", "mysql+pymysql://").replace("mysql+mysqldb", "mysql+pymysql")
+    url = sa.engine.make_url(c.get_connection_url()).set(drivername=e.container_driver)
+    return url.render_as_string(hide_password=False)
 
 
 def stop_containers() -> None:
@@ -187,12 +178,11 @@ def worker_database(url: str, worker: str) -> str:
         try:
             quoted = eng.dialect.identifier_preparer.quote(name)
             with eng.connect() as conn:
-                if eng.dialect.name == "postgresql":
-                    exists = conn.execute(sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}).first()
-                    if not exists:
-                        conn.exec_driver_sql(f"CREATE DATABASE {quoted}")
-                else:
+                exists_sql = ENGINES[dialect_of(url)].database_exists_sql
+                if exists_sql is None:
                     conn.exec_driver_sql(f"CREATE DATABASE IF NOT EXISTS {quoted}")
+                elif not conn.execute(sa.text(exists_sql), {"n": name}).first():
+                    conn.exec_driver_sql(f"CREATE DATABASE {quoted}")
         finally:
             eng.dispose()
     return u.set(database=name).render_as_string(hide_password=False)
@@ -253,11 +243,18 @@ def needs(*caps: str, no: str | tuple[str, ...] = ()):
     return mark
 
 
-ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+psycopg_async",
-                 "mysql": "mysql+aiomysql", "mariadb": "mariadb+aiomysql"}
+def dialect_of(url: str) -> str:
+    """The row of ENGINES a URL's scheme names (mysql+pymysql:// is "mysql" even on MariaDB)."""
+    return sa.engine.make_url(url).get_backend_name()
+
+
+def file_url(dialect: str, path: str) -> str | None:
+    """An embedded engine's URL for a database file at ``path`` (None for a server)."""
+    template = ENGINES[dialect].file_url
+    return template.format(path=path) if template else None
 
 
 def async_url(url: str) -> str:
     """The same database through the async driver jobq's async tests use."""
     u = sa.engine.make_url(url)
-    return u.set(drivername=ASYNC_DRIVERS[u.get_backend_name()]).render_as_string(hide_password=False)
+    return u.set(drivername=ENGINES[dialect_of(url)].async_driver).render_as_string(hide_password=False)

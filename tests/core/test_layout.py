@@ -31,12 +31,15 @@ from dataclasses import dataclass
 
 import pytest
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, when run as a script
+from engine_table import ENGINES  # noqa: E402
+
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jobq"
 
 SQL_MODULES = frozenset({"schema", "sql", "fastpath", "drivers", "migrations", "claim_sql"})
 BRANCH_MODULES = frozenset({"engines", "drivers", "fastpath"})
 STATEMENT_BUILDERS = frozenset({"select", "insert", "update", "delete", "text", "union", "union_all"})
-ENGINE_NAMES = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
+ENGINE_NAMES = frozenset(ENGINES)  # every engine the tests run on (tests/engine_table.py)
 BRANCH_ATTRS = frozenset({"family", "is_mariadb", "driver"})
 #: A module this long is more than a sitting's read: split it rather than raise this.
 MAX_LINES = 1_500
