@@ -66,8 +66,8 @@ def wake_cost_us(sleeps: int = 100, runs: int = 5) -> float:
     wake-up from idle costs on this machine. Every contender pays it each time it waits for
     its server (a round trip) or for another thread, so the client CPU figures include it.
     Where waking is cheap this is a few µs (the sleep's own system calls); the virtual machine
-    of 2026-12-05 charged 41-47 µs (the host's time to resume a halted vCPU, counted as run
-    time of the thread that wakes: bench/README.md, stop 37)."""
+    of bench/README.md's figures charges 41-47 µs (the host's time to resume a halted vCPU,
+    counted as run time of the thread that wakes: see "The machine" there)."""
     got = []
     for _ in range(runs):
         c0 = time.thread_time()
