@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.compiler import compiles
 
 from .base import ConfigError, JobqError, UnsupportedDatabase, _utcnow, logger
-from .engines import _MIN_VERSIONS, _Engine, _engine_facts, _facts, _family
+from .engines import _ENGINE_LABELS, _MIN_VERSIONS, _Engine, _engine_facts, _facts, _family
 from .fastpath import _await_only, _hot_rowcount, _hot_rows
 from .schema import _NAME, _UNIQUE_LIVE_WHERE, _c, _jobs
 from .sql import (
@@ -323,7 +323,7 @@ _SQLITE_BEGIN = {False: sa.text("BEGIN"), True: sa.text("BEGIN IMMEDIATE")}
 def _check_version(family: str, version: tuple[int, ...]) -> None:
     need = _MIN_VERSIONS[family]
     if version < need:
-        label = {"postgresql": "PostgreSQL", "mysql": "MySQL", "mariadb": "MariaDB"}[family]
+        label = _ENGINE_LABELS[family]
         found = ".".join(map(str, version)) or "unknown"
         raise UnsupportedDatabase(
             f"{label} {found} found; jobq needs {label} {'.'.join(map(str, need))} or newer "
@@ -353,8 +353,9 @@ def _prepare(engine: Engine) -> _Dialect:
     if d is not None:
         return d
     name = engine.dialect.name
-    if name not in ("postgresql", "mysql", "mariadb", "sqlite"):
-        raise UnsupportedDatabase(f"jobq supports SQLite, PostgreSQL, MySQL and MariaDB, not {name!r}")
+    if name not in _ENGINE_LABELS:
+        *most, last = _ENGINE_LABELS.values()
+        raise UnsupportedDatabase(f"jobq supports {', '.join(most)} and {last}, not {name!r}")
     if name == "sqlite":
         if engine.dialect.driver not in ("pysqlite", "aiosqlite"):
             raise UnsupportedDatabase(f"jobq's SQLite support needs the pysqlite (or aiosqlite) driver, not {engine.dialect.driver!r}")

@@ -14,6 +14,8 @@ from sqlalchemy.dialects import postgresql as _pg
 from sqlalchemy.dialects import sqlite as _sqlite
 
 _MIN_VERSIONS = {"postgresql": (12,), "mysql": (8, 0, 1), "mariadb": (10, 6)}
+#: Every engine family jobq runs on, as its messages name it.
+_ENGINE_LABELS = {"sqlite": "SQLite", "postgresql": "PostgreSQL", "mysql": "MySQL", "mariadb": "MariaDB"}
 
 _SCHEMA_LOCK_ID = 0x6A6F6271
 _SCHEMA_LOCK_NAME = "jobq_schema"

@@ -305,6 +305,8 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
 # drivers built on it, that names an engine.
 
 _MIN_VERSIONS = {"postgresql": (12,), "mysql": (8, 0, 1), "mariadb": (10, 6)}
+#: Every engine family jobq runs on, as its messages name it.
+_ENGINE_LABELS = {"sqlite": "SQLite", "postgresql": "PostgreSQL", "mysql": "MySQL", "mariadb": "MariaDB"}
 
 _SCHEMA_LOCK_ID = 0x6A6F6271
 _SCHEMA_LOCK_NAME = "jobq_schema"
@@ -2472,7 +2474,7 @@ _SQLITE_BEGIN = {False: sa.text("BEGIN"), True: sa.text("BEGIN IMMEDIATE")}
 def _check_version(family: str, version: tuple[int, ...]) -> None:
     need = _MIN_VERSIONS[family]
     if version < need:
-        label = {"postgresql": "PostgreSQL", "mysql": "MySQL", "mariadb": "MariaDB"}[family]
+        label = _ENGINE_LABELS[family]
         found = ".".join(map(str, version)) or "unknown"
         raise UnsupportedDatabase(
             f"{label} {found} found; jobq needs {label} {'.'.join(map(str, need))} or newer "
@@ -2502,8 +2504,9 @@ def _prepare(engine: Engine) -> _Dialect:
     if d is not None:
         return d
     name = engine.dialect.name
-    if name not in ("postgresql", "mysql", "mariadb", "sqlite"):
-        raise UnsupportedDatabase(f"jobq supports SQLite, PostgreSQL, MySQL and MariaDB, not {name!r}")
+    if name not in _ENGINE_LABELS:
+        *most, last = _ENGINE_LABELS.values()
+        raise UnsupportedDatabase(f"jobq supports {', '.join(most)} and {last}, not {name!r}")
     if name == "sqlite":
         if engine.dialect.driver not in ("pysqlite", "aiosqlite"):
             raise UnsupportedDatabase(f"jobq's SQLite support needs the pysqlite (or aiosqlite) driver, not {engine.dialect.driver!r}")
