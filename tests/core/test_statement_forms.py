@@ -1,13 +1,18 @@
 """One statement per operation, and where a second form stays for speed, the same rows.
 
-The finish of leased jobs has one general builder (_q_finish: any results, any fence) and two
-forms kept for speed next to it: _q_finish_batch_same (prebuilt: one result for every row, run
-on the cursor) and, where the engine runs data-modifying CTEs, _q_finish_recorded (finish and
-history in one round trip). Attempt history has _q_record_ended and its prebuilt form for one
-worker's finishes, _q_record_done. Each test runs the forms on the same leased jobs, each in a
-transaction it rolls back, and compares every row of jobs and of the attempt history they leave.
+Each test runs an operation's forms on the same input, each in a transaction it rolls back, and
+compares the rows they leave:
+- the finish of leased jobs: the general builder (_q_finish: any results, any fence) and the
+  forms kept for speed next to it, _q_finish_batch_same (prebuilt, one result for every row,
+  run on the cursor) and, with data-modifying CTEs, _q_finish_recorded (finish and history in
+  one round trip); attempt history: _q_record_ended and its prebuilt form _q_record_done;
+- the lease: _q_lock_and_lease (lock, lease and start log in one statement) against the
+  locking read, _q_lease and the start-log insert;
+- the window read: the portable UNION, the engine's own form, and the group scan's read;
+- the insert of job rows: as a batch, one at a time, and holding a unique key.
 A form that drifted (a column it forgets to clear, a history row with another attempt number or
-error) fails here; test_a_form_that_forgets_a_column_is_caught is the broken variant.
+error, a candidate out of claim order, an id returned for another row) fails here;
+test_a_form_that_forgets_a_column_is_caught is the broken variant.
 """
 
 from __future__ import annotations
@@ -210,3 +215,43 @@ def test_every_window_read_gives_the_same_candidates(engine: sa.Engine, types: l
             assert (ids, w) == want[g] if ids else g not in want, g
         assert scan.read or not (d.scan_reads_window or d.ranged_group_scan)
         conn.rollback()
+
+
+def _job_rows_for(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The rows a submit of three different jobs hands to _insert_rows (then rolled back)."""
+    seen: list[list[dict[str, Any]]] = []
+    real = jobq._insert_rows
+    monkeypatch.setattr(jobq, "_insert_rows", lambda conn, d, rows: seen.append([dict(r) for r in rows]) or real(conn, d, rows))
+    jobq.submit(engine, [{"key": "a", "type": "t", "args": {"n": 1}, "group_key": "g", "priority": 2},
+                         {"key": "b", "type": "u", "max_attempts": 5, "timeout": 2.5, "weight": 3},
+                         {"key": "c", "type": "t", "run_after": dt.timedelta(hours=1)}])
+    monkeypatch.undo()
+    assert [len(r) for r in seen] == [3]
+    return seen[0]
+
+
+def _inserted(engine: sa.Engine, insert: Callable[[sa.Connection, Any], list[int]]) -> list[dict[str, Any]]:
+    """The rows ``insert`` wrote, in the order of the ids it returned, without the ids (rolled back)."""
+    d = jobq._prepare(engine)
+    with engine.connect() as conn:
+        with conn.begin() as tx:
+            ids = insert(conn, d)
+            by_id = {r["id"]: dict(r) for r in conn.execute(sa.select(jobq._jobs).where(jobq._jobs.c.id.in_(ids))).mappings()}
+            tx.rollback()
+    assert len(by_id) == len(ids) == len(set(ids))
+    return [{k: v for k, v in by_id[i].items() if k != "id"} for i in ids]
+
+
+def test_every_insert_form_writes_the_same_rows_under_the_ids_it_returns(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job rows inserted as one batch (executemany RETURNING, or the multi-row INSERT whose ids
+    come from LAST_INSERT_ID() where the engine has no RETURNING), one at a time (the prebuilt
+    RETURNING on the cursor, or a one-row INSERT) and one at a time holding a unique key
+    (ON CONFLICT DO NOTHING, or a plain INSERT that catches the duplicate): the same rows, each
+    under the id its form returned for it. A wrong id shows as rows in another order."""
+    rows = _job_rows_for(engine, monkeypatch)
+    batch = _inserted(engine, lambda conn, d: jobq._insert_rows(conn, d, rows))
+    assert [r["type"] for r in batch] == ["t", "u", "t"] and batch[1]["max_attempts"] == 5
+    assert _inserted(engine, lambda conn, d: [i for r in rows for i in jobq._insert_rows(conn, d, [r])]) == batch
+    keyed = _inserted(engine, lambda conn, d: [d.insert_unique(conn, {**r, "unique_key": f"k{n}"}) for n, r in enumerate(rows)])
+    assert [r.pop("unique_key") for r in keyed] == ["k0", "k1", "k2"]
+    assert keyed == [{k: v for k, v in r.items() if k != "unique_key"} for r in batch]
