@@ -3757,8 +3757,8 @@ def _q_lock_and_lease(d: _Dialect, name: str, lock: Callable[[], sa.Select[Any]]
     """A claim's locking read, the lease of the rows it locked and their start log, as one
     statement (d.dml_ctes; one round trip instead of three): ``lock()`` builds the locking read
     (_q_candidates or _q_lock_chosen), whose parameters this takes plus _q_lease's. Returns the
-    locked rows as they were read (attempts before this lease), in claim order. Keep in sync
-    with _q_lease."""
+    locked rows as they were read (attempts before this lease), in claim order; the same rows
+    as the locking read, _q_lease and the start log apart (tests/core/test_statement_forms.py)."""
     def build() -> sa.Select[Any]:
         locked = lock().add_columns(_c.priority, _c.run_after).cte("locked")
         leased = (_update_jobs().where(_c.id == locked.c.id).values(**_lease_values())
