@@ -730,6 +730,14 @@ _CLEAR_LEASE = {"lease_owner": None, "lease_expires": None, "in_flight": False}
 _ATTEMPT_COLS = ("job_id", "attempt", "worker_id", "started_at", "finished_at", "outcome", "error")
 
 
+def _done_rows(src: Any) -> sa.Select[Any]:
+    """History rows (_ATTEMPT_COLS) of attempts one worker (``b_worker``) finished at ``b_now``,
+    outcome done, no error, from ``src``'s id, attempts and started_at: the jobs rows
+    (_q_record_done) or the finishing UPDATE's RETURNING (_q_finish_recorded)."""
+    return sa.select(src.c.id, src.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), src.c.started_at,
+                     sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null())
+
+
 def _q_finish(d: _Dialect, outcomes: Sequence[_Outcome], owner: str | None, token: str | None,
               now: _dt.datetime) -> sa.Update:
     """Finish these jobs of one holder (``owner``, ``token``: None leaves that fence out) in one
@@ -797,9 +805,7 @@ def _q_finish_recorded(d: _Dialect) -> sa.Select[Any]:
     statement of its own, after this one)."""
     def build() -> sa.Select[Any]:
         fin = _q_finish_batch_same(d).returning(_c.id, _c.attempts, _c.started_at).cte("fin")
-        rec = sa.insert(_attempts).from_select(_ATTEMPT_COLS, sa.select(fin.c.id, fin.c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), fin.c.started_at,
-                      sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null()),
-        ).returning(_attempts.c.job_id).cte("rec")
+        rec = sa.insert(_attempts).from_select(_ATTEMPT_COLS, _done_rows(fin)).returning(_attempts.c.job_id).cte("rec")
         return sa.select(sa.select(sa.func.count()).select_from(rec).scalar_subquery().label("n"))
     return _prebuilt(d, "finish_recorded", build)
 
@@ -873,10 +879,8 @@ def _q_record_ended(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], n
 
 def _q_record_done(d: _Dialect) -> sa.Insert:
     # _q_record_ended for finishes by one worker (outcome done, no error), its values bound.
-    return _prebuilt(d, "record_done", lambda: sa.insert(_attempts).from_select(_ATTEMPT_COLS, sa.select(
-        _c.id, _c.attempts, sa.bindparam("b_worker", type_=sa.String(200)), _c.started_at,
-        sa.bindparam("b_now", type_=_TS), sa.literal("done", sa.String(16)), sa.null()
-    ).where(_id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))))
+    return _prebuilt(d, "record_done", lambda: sa.insert(_attempts).from_select(_ATTEMPT_COLS, _done_rows(_jobs).where(
+        _id_in(d, _c.id, sa.bindparam("b_ids", type_=_pg.ARRAY(sa.BigInteger))))))
 
 
 def _q_attempt_history(job_id: int, *, last: bool = False) -> sa.Select[Any]:
