@@ -190,16 +190,18 @@ def worker_database(url: str, worker: str) -> str:
 
 def wipe(engine: sa.Engine) -> None:
     """Empty jobq's tables (faster than recreating them on MySQL)."""
+    tables = jobq.Base.metadata.tables  # by the public Base, not jobq's private names
+    meta = tables["jobq_meta"]
     with engine.begin() as conn:
         conn.execute(sa.delete(jobq.JobDep.__table__))
         conn.execute(sa.update(jobq.Job.__table__).values(parent_id=None))
         conn.execute(sa.delete(jobq.Job.__table__))
-        conn.execute(sa.delete(jobq._slots))  # slots held by an earlier test's abandoned handlers
-        conn.execute(sa.delete(jobq._starts))
-        conn.execute(sa.delete(jobq._attempts))
-        conn.execute(sa.delete(jobq._groups))  # stored group policy (set_group), and its counts
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "claim_lock").values(value=""))
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "global_limits").values(value=""))  # set_limit
+        conn.execute(sa.delete(tables["jobq_slots"]))  # slots held by an earlier test's abandoned handlers
+        conn.execute(sa.delete(tables["jobq_starts"]))
+        conn.execute(sa.delete(tables["jobq_attempts"]))
+        conn.execute(sa.delete(tables["jobq_groups"]))  # stored group policy (set_group), and its counts
+        conn.execute(sa.update(meta).where(meta.c.key == "claim_lock").values(value=""))
+        conn.execute(sa.update(meta).where(meta.c.key == "global_limits").values(value=""))  # set_limit
 
 
 def only(*dialects: str):

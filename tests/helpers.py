@@ -188,4 +188,17 @@ def counted(engine: sa.Engine) -> Iterator[list[str]]:
 def recorded_version(engine: sa.Engine, version: int) -> None:
     """Record ``version`` as the database's schema_version, as the jobq.py of that version left it."""
     with engine.begin() as conn:
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value=str(version)))
+        conn.execute(sa.update(META).where(META.c.key == "schema_version").values(value=str(version)))
+
+
+# ---- the test seam: jobq's tables, by the public declarative Base ----------------------------
+# Tests that read or write a table directly take it from here, not from jobq's private names.
+TABLES = jobq.Base.metadata.tables
+JOBS, META, SLOTS = TABLES["jobs"], TABLES["jobq_meta"], TABLES["jobq_slots"]
+ATTEMPTS, STARTS, GROUPS = TABLES["jobq_attempts"], TABLES["jobq_starts"], TABLES["jobq_groups"]
+
+
+def schema_version(engine: sa.Engine) -> str | None:
+    """The schema version the database records (jobq_meta's schema_version)."""
+    with engine.connect() as conn:
+        return conn.execute(sa.select(META.c.value).where(META.c.key == "schema_version")).scalar()

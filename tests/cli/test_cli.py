@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import only
-from helpers import JOBQ_CLI
+from helpers import JOBQ_CLI, META
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 UTC = dt.UTC
@@ -313,7 +313,7 @@ def test_a_database_without_the_schema_says_run_jobq_init(db_url: str, capsys: p
         assert cli(db_url, "init", capsys=capsys)[0] == 0
         eng.dispose()
     with eng.begin() as conn:  # a schema of an older jobq: init upgrades it
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value="1"))
+        conn.execute(sa.update(META).where(META.c.key == "schema_version").values(value="1"))
     code, _, err = cli(db_url, "status", capsys=capsys)
     assert code == 3 and err == f"jobq: the jobq schema here is version 1, this jobq needs {jobq.SCHEMA_VERSION}: run `jobq init` to upgrade it\n"
     assert cli(db_url, "init", capsys=capsys)[0] == 0 and cli(db_url, "status", capsys=capsys)[0] == 0

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 
 import jobq
 from dbs import async_url
-from helpers import state
+from helpers import SLOTS, state
 
 
 def _run(coro_fn, db_url: str):
@@ -330,7 +330,7 @@ def _cancel_at_the_claims_commit(db_url: str, engine: sa.Engine) -> None:
             assert info is not None and (info.state, info.attempts, info.lease_owner) == ("ready", 0, None), \
                 f"C was not released: {info and (info.state, info.attempts, info.lease_owner)}"
             with engine.connect() as conn:
-                assert conn.execute(sa.select(sa.func.count()).select_from(jobq._slots)).scalar_one() == 0
+                assert conn.execute(sa.select(sa.func.count()).select_from(SLOTS)).scalar_one() == 0
             assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
         finally:
             sa.event.remove(eng.sync_engine, "commit", on_commit)

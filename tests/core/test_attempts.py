@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import FAST, db_now, no_deadline_for_the_retry
+from helpers import ATTEMPTS, FAST, db_now, no_deadline_for_the_retry, recorded_version, schema_version
 
 S = dt.timedelta(seconds=1)
 
@@ -28,7 +28,7 @@ def history(engine: sa.Engine, job_id: int) -> list[tuple[int, str]]:
 
 def attempt_rows(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.count()).select_from(jobq._attempts)).scalar_one())
+        return int(conn.execute(sa.select(sa.func.count()).select_from(ATTEMPTS)).scalar_one())
 
 
 def test_a_timed_out_attempt_then_success_shows_two_attempts_and_no_stale_error(engine: sa.Engine) -> None:
@@ -202,15 +202,13 @@ def test_a_schema_3_database_gets_the_history_table(engine: sa.Engine) -> None:
     """A database at schema 3 (no jobq_attempts) is upgraded by create_schema: the table appears,
     the version reads the current one, and history is written. A broken upgrade: no table, so the first
     finalize fails."""
-    with engine.begin() as conn:
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value="3"))
-    jobq._attempts.drop(engine)
+    recorded_version(engine, 3)
+    ATTEMPTS.drop(engine)
     assert "jobq_attempts" not in sa.inspect(engine).get_table_names()
     jobq.create_schema(engine)
     jobq.create_schema(engine)
     assert "jobq_attempts" in sa.inspect(engine).get_table_names()
-    with engine.connect() as conn:
-        assert conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar() == str(jobq.SCHEMA_VERSION)
+    assert schema_version(engine) == str(jobq.SCHEMA_VERSION)
     jid = jobq.enqueue(engine, "t")
     c = jobq.claim(engine, "w", 30)
     jobq.finalize(engine, c, {}, worker_id="w")

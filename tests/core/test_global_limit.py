@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs
-from helpers import FAST, INNODB_TRX_POLL, backend_id, wait_for, waits_for_a_row_lock
+from helpers import FAST, INNODB_TRX_POLL, META, backend_id, wait_for, waits_for_a_row_lock
 
 ONE_LINE = "jobq: "
 
@@ -210,7 +210,7 @@ def test_a_worker_whose_own_cap_differs_from_the_stored_one_says_so_once(engine:
 def test_a_database_without_the_row_claims_uncapped_until_set_limit_adds_it(engine: sa.Engine) -> None:
     """A database whose create_schema predates the global_limits row: claims work (no stored
     cap), get_limit says none, set_limit adds the row, and create_schema seeds it again."""
-    meta = jobq._meta
+    meta = META
     with engine.begin() as conn:
         conn.execute(sa.delete(meta).where(meta.c.key == "global_limits"))
     for _ in range(4):

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 import jobq
 from dbs import async_url
-from helpers import state
+from helpers import JOBS, state
 
 FAST = dict(poll_interval=0.01, lease_ttl=5.0, retry_backoff=lambda attempt: 0.0)
 #: Ticks an idle check may take with only a paused group's jobs due: one that starts the other
@@ -48,7 +48,7 @@ def test_run_until_idle_returns_while_a_paused_group_holds_due_jobs(engine: sa.E
     held = jobq.enqueue(engine, "t", group_key="paused")
     retrying = jobq.enqueue(engine, "t", group_key="paused")
     with engine.begin() as conn:  # a job backing off after an attempt counts as due work too
-        conn.execute(sa.update(jobq._jobs).where(jobq._c.id == retrying).values(attempts=1))
+        conn.execute(sa.update(JOBS).where(JOBS.c.id == retrying).values(attempts=1))
     other = jobq.enqueue(engine, "t", group_key="other")
     jobq.set_group(engine, "paused", paused=True)
     w = jobq.Worker(engine, {"t": lambda ctx: {"ok": True}}, max_concurrency=2, **FAST)

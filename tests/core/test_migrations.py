@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs
-from helpers import counted, meeting, recorded_version
+from helpers import META, counted, meeting, recorded_version, schema_version
 
 THREADS = 4
 
@@ -56,8 +56,9 @@ def _start_statements(engine: sa.Engine) -> list[str]:
 
 
 def _version(engine: sa.Engine) -> str:
-    with engine.connect() as conn:
-        return conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar_one()
+    version = schema_version(engine)
+    assert version is not None
+    return version
 
 
 def test_the_steps_are_numbered_up_to_the_schema_version() -> None:
@@ -134,7 +135,7 @@ def test_broken_a_version_not_recorded_reruns_its_steps(engine: sa.Engine, monke
     jobq.create_schema(engine)
     recorded_version(engine, 1)
     runs = _spied(monkeypatch)
-    monkeypatch.setattr(jobq, "_Q_SET_SCHEMA_VERSION", sa.update(jobq._meta).where(jobq._meta.c.key == "no such key")
+    monkeypatch.setattr(jobq, "_Q_SET_SCHEMA_VERSION", sa.update(META).where(META.c.key == "no such key")
                         .values(value=sa.bindparam("b_value", type_=sa.String(200))))
     jobq.create_schema(engine)
     jobq.create_schema(engine)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs, only
-from helpers import wait_for
+from helpers import JOBS, wait_for
 
 NOW = dt.datetime(2030, 1, 1)
 
@@ -116,9 +116,9 @@ def test_the_idle_check_written_as_one_or_is_caught(engine: sa.Engine) -> None:
     """BROKEN variant of run_until_idle's idle check: one WHERE with an OR over the ready and
     the leased or running rows (as it was until 2026-12-04). No partial index covers the OR,
     so it scans the table, every finished job included; the check above catches that."""
-    due = sa.and_(jobq._state_is("ready"), sa.or_(jobq._c.run_after <= NOW, jobq._c.attempts > 0))
-    broken = sa.select(jobq._c.id).where(sa.or_(due, jobq._state_is("leased", "running")),
-                                         jobq._c.type.in_(["t"])).limit(1)
+    due = sa.and_(jobq._state_is("ready"), sa.or_(JOBS.c.run_after <= NOW, JOBS.c.attempts > 0))
+    broken = sa.select(JOBS.c.id).where(sa.or_(due, jobq._state_is("leased", "running")),
+                                         JOBS.c.type.in_(["t"])).limit(1)
     with pytest.raises(AssertionError):
         _check("one OR", _plans(engine, broken))
 
@@ -150,7 +150,7 @@ def test_the_span_of_ready_groups_is_two_index_dives(engine: sa.Engine) -> None:
     for stmt in (jobq._Q_READY_GROUP_SPAN, jobq._Q_SLOTS_AND_SPAN.params(b_now=NOW)):
         plan = _plans(engine, stmt)
         assert _span_dives(plan), plan
-    broken = sa.select(sa.func.min(jobq._c.group_key), sa.func.max(jobq._c.group_key)).where(jobq._state_is("ready"))
+    broken = sa.select(sa.func.min(JOBS.c.group_key), sa.func.max(JOBS.c.group_key)).where(jobq._state_is("ready"))
     assert not _span_dives(_plans(engine, broken))
 
 
@@ -242,8 +242,8 @@ def test_the_claims_locking_read_goes_by_primary_key_on_fresh_statistics(engine:
     assert "ix_jobs_ready" not in plan and ("jobs_pkey" in plan or "PRIMARY KEY" in plan), plan
     if engine.dialect.name == "postgresql":
         broken = d.lock_skip(sa.select(*jobq._LEASE_COLS).where(
-            jobq._id_in(d, jobq._c.id, sa.bindparam("b_ids", type_=sa.dialects.postgresql.ARRAY(sa.BigInteger))),
-            jobq._state_is("ready"), jobq._c.run_after <= sa.bindparam("b_now", type_=jobq._TS)))
+            jobq._id_in(d, JOBS.c.id, sa.bindparam("b_ids", type_=sa.dialects.postgresql.ARRAY(sa.BigInteger))),
+            jobq._state_is("ready"), JOBS.c.run_after <= sa.bindparam("b_now", type_=jobq._TS)))
         assert "ix_jobs_ready" in _lock_chosen_plan(engine, broken, ids)  # the trap is real on this server
 
 
@@ -272,12 +272,12 @@ def _window_json(d: jobq._Dialect, ready: bool) -> sa.Select:
     variant whose inner read lacks the `state = 'ready'` literal the partial index needs."""
     if ready:
         return jobq._q_window_json(d, True)
-    c = jobq._c
+    c = JOBS.c
     g = sa.func.json_each(sa.bindparam("b_groups", type_=sa.JSON())).table_valued("value", "key").alias("g")
     inner = (sa.select(c.id).where(c.group_key == g.c.value, c.run_after <= sa.bindparam("b_now", type_=jobq._TS),
                                    jobq._id_in(d, c.type, sa.bindparam("b_types")))
              .order_by(*jobq._CLAIM_ORDER).limit(sa.bindparam("b_limit", type_=sa.Integer)))
-    j = jobq._jobs.alias("j")
+    j = JOBS.alias("j")
     return sa.select(j.c.group_key, j.c.id, j.c.weight).select_from(g).join(j, j.c.id.in_(inner.scalar_subquery()))
 
 

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs, only
-from helpers import recorded_version
+from helpers import META, recorded_version
 
 
 def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
@@ -20,7 +20,7 @@ def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
     names = set(sa.inspect(engine).get_table_names())
     assert {"jobs", "job_deps", "jobq_meta"} <= names
     with engine.connect() as conn:
-        rows = dict(conn.execute(sa.select(jobq._meta.c.key, jobq._meta.c.value)).all())
+        rows = dict(conn.execute(sa.select(META.c.key, META.c.value)).all())
     assert rows == {"schema_version": str(jobq.SCHEMA_VERSION), "claim_lock": "", "global_limits": ""}
 
 

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs, server_url
-from helpers import db_now
+from helpers import META, db_now
 
 PROCESSES = 6
 
@@ -53,7 +53,7 @@ def test_create_schema_from_many_processes_on_an_empty_database(dialect: str, tm
                 p.join(30)
             assert not errors, errors[0]
             with eng.connect() as conn:
-                meta = sorted(conn.execute(sa.select(jobq._meta.c.key)).scalars())
+                meta = sorted(conn.execute(sa.select(META.c.key)).scalars())
             assert meta == ["claim_lock", "global_limits", "schema_version"]
             jid = jobq.enqueue(eng, "t")
             assert jobq.claim(eng, "w", 30) == jid

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs
+from helpers import ATTEMPTS, JOBS, STARTS
 
 WORKER = "w1"
 Form = Callable[[sa.Connection, Any, list[Any], dt.datetime], None]
@@ -46,13 +47,13 @@ def _leased(engine: sa.Engine, n: int) -> list[Any]:
 def _rows_after(engine: sa.Engine, form: Form, leases: list[Any], results: list[Any]) -> tuple[list[Any], list[Any]]:
     """Every jobs row and history row (without its own id) after ``form``, which is rolled back."""
     d = jobq._prepare(engine)
-    a = jobq._attempts.c
+    a = ATTEMPTS.c
     now = leases[0].expires  # one time for every form: the rows compare equal only then
     with engine.connect() as conn:
         with conn.begin() as tx:
             outcomes = [jobq._Outcome(x.id, WORKER, x.token, "done", result=r) for x, r in zip(leases, results, strict=True)]
             form(conn, d, outcomes, now)
-            jobs = [tuple(r) for r in conn.execute(sa.select(jobq._jobs).order_by(jobq._jobs.c.id))]
+            jobs = [tuple(r) for r in conn.execute(sa.select(JOBS).order_by(JOBS.c.id))]
             hist = [tuple(r) for r in conn.execute(
                 sa.select(a.job_id, a.attempt, a.worker_id, a.started_at, a.finished_at, a.outcome, a.error)
                 .order_by(a.job_id, a.attempt, a.outcome))]
@@ -130,7 +131,7 @@ def test_the_batch_with_several_results_writes_what_one_finish_a_job_writes(engi
 
 
 def _job_rows(rows: tuple[list[Any], list[Any]]) -> list[Any]:
-    cols = [c.name for c in jobq._jobs.c]
+    cols = [c.name for c in JOBS.c]
     return [dict(zip(cols, r, strict=True)) for r in rows[0]]
 
 
@@ -140,7 +141,7 @@ def test_a_form_that_forgets_a_column_is_caught(engine: sa.Engine, monkeypatch: 
     leases = _leased(engine, 2)
     good = _rows_after(engine, general, leases, [None, None])
     d = jobq._prepare(engine)
-    broken = jobq._q_finish_batch_same(d).values(lease_expires=jobq._jobs.c.lease_expires)
+    broken = jobq._q_finish_batch_same(d).values(lease_expires=JOBS.c.lease_expires)
     monkeypatch.setattr(jobq, "_q_finish_batch_same", lambda d: broken)
     assert _rows_after(engine, prebuilt, leases, [None, None]) != good
 
@@ -149,14 +150,14 @@ def _claimed(engine: sa.Engine, d: Any, groups: list[str]) -> tuple[list[Any], l
     """What one claim of everything ready leaves, through ``d``'s forms, rolled back: the
     leases, the jobs rows and the start log, without the claim's random token."""
     now = dt.datetime(2030, 1, 1)
-    token = [c.name for c in jobq._jobs.c].index("lease_token")
+    token = [c.name for c in JOBS.c].index("lease_token")
     with engine.connect() as conn:
         with conn.begin() as tx:
             leases = jobq._lease_rows(conn, d, worker_id=WORKER, ttl=60, now=now, limit=len(groups), types=None,
                                       max_in_flight=None, group_caps={"g1": 2}, state="leased")
             jobs = [tuple(v for i, v in enumerate(r) if i != token)
-                    for r in conn.execute(sa.select(jobq._jobs).order_by(jobq._jobs.c.id))]
-            starts = sorted(tuple(r[1:]) for r in conn.execute(sa.select(jobq._starts)))
+                    for r in conn.execute(sa.select(JOBS).order_by(JOBS.c.id))]
+            starts = sorted(tuple(r[1:]) for r in conn.execute(sa.select(STARTS)))
             tx.rollback()
     return [dataclasses.replace(x, token="") for x in leases], jobs, starts
 

@@ -8,7 +8,7 @@ import datetime as dt
 import sqlalchemy as sa
 
 import jobq
-from helpers import db_now
+from helpers import META, STARTS, db_now
 
 
 def _schema_1() -> sa.MetaData:
@@ -61,8 +61,8 @@ def test_a_schema_1_database_is_upgraded_in_place_and_keeps_working(engine: sa.E
     else:  # re-keyed without state (_rekey_mysql_indexes)
         assert "ix_jobs_finished_my" in indexes and "ix_jobs_state_finished" not in indexes
     with engine.connect() as conn:
-        assert conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar() == str(jobq.SCHEMA_VERSION)
-        assert conn.execute(sa.select(sa.func.sum(jobq._starts.c.n))).scalar() == 3  # old rows count one start each
+        assert conn.execute(sa.select(META.c.value).where(META.c.key == "schema_version")).scalar() == str(jobq.SCHEMA_VERSION)
+        assert conn.execute(sa.select(sa.func.sum(STARTS.c.n))).scalar() == 3  # old rows count one start each
     # the old starts still count against a rate limit: 3 of 5 per minute are used
     assert len(jobq.claim_batch(engine, "w", 30, limit=5, rate_limits={"g": (5, 60.0)})) == 2
     done: list[int] = []
@@ -82,7 +82,7 @@ def test_a_database_from_a_newer_jobq_is_refused(engine: sa.Engine) -> None:
     """A database whose schema_version is newer than this jobq.py is refused with a JobqError saying
     so, rather than used or downgraded."""
     with engine.begin() as conn:
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value="99"))
+        conn.execute(sa.update(META).where(META.c.key == "schema_version").values(value="99"))
     try:
         jobq.create_schema(engine)
     except jobq.JobqError as exc:
@@ -90,4 +90,4 @@ def test_a_database_from_a_newer_jobq_is_refused(engine: sa.Engine) -> None:
     else:
         raise AssertionError("create_schema accepted a schema from the future")
     with engine.begin() as conn:
-        conn.execute(sa.update(jobq._meta).where(jobq._meta.c.key == "schema_version").values(value=str(jobq.SCHEMA_VERSION)))
+        conn.execute(sa.update(META).where(META.c.key == "schema_version").values(value=str(jobq.SCHEMA_VERSION)))

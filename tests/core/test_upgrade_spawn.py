@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 import jobq
-from helpers import db_now
+from helpers import db_now, schema_version
 
 NEW_COLUMNS = ("spawned_by", "spawn_token")
 NEW_INDEXES = ("ix_jobs_held", "ix_jobs_held_my")
@@ -50,9 +50,7 @@ def test_a_schema_3_database_gains_spawning_in_place(engine: sa.Engine) -> None:
     assert set(NEW_COLUMNS) <= {c["name"] for c in insp.get_columns("jobs")}
     want = "ix_jobs_held" if engine.dialect.name in ("postgresql", "sqlite") else "ix_jobs_held_my"
     assert want in {i["name"] for i in insp.get_indexes("jobs")}
-    with engine.connect() as conn:
-        version = conn.execute(sa.select(jobq._meta.c.value).where(jobq._meta.c.key == "schema_version")).scalar()
-    assert version == str(jobq.SCHEMA_VERSION) == "5"
+    assert schema_version(engine) == str(jobq.SCHEMA_VERSION) == "5"
 
     def spawner(ctx: jobq.JobContext) -> dict[str, int]:
         return {"child": ctx.enqueue("child", depends_on=[ctx.id])}

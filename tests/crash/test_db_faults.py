@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 import jobq
 from dbs import needs, only
-from helpers import REPORT, wait_for
+from helpers import META, REPORT, wait_for
 from procs import events, executions, finalized, start
 
 jobs = jobq.Job.__table__
@@ -295,7 +295,7 @@ def test_lock_wait_timeout_in_the_claim_is_retried_whole(engine: sa.Engine) -> N
     sa.event.listen(engine, "connect", lambda dbapi, rec: dbapi.cursor().execute("SET SESSION innodb_lock_wait_timeout = 1"))
     jid = jobq.enqueue(engine, "t")
     blocker = engine.connect()
-    blocker.execute(sa.select(jobq._meta).where(jobq._meta.c.key == "claim_lock").with_for_update()).all()
+    blocker.execute(sa.select(META).where(META.c.key == "claim_lock").with_for_update()).all()
     threading.Timer(2.5, blocker.rollback).start()
     t0 = time.monotonic()
     leases = jobq.claim_batch(engine, "w", 30, max_in_flight=2)

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from helpers import db_now, wait_for
+from helpers import ATTEMPTS, SLOTS, db_now, wait_for
 from procs import SUMMARY, events, executions, finalized, start, wait_file
 
 jobs = jobq.Job.__table__
@@ -71,7 +71,7 @@ def test_sigkill_at_random_points_loses_nothing_and_completes_nothing_twice(engi
     # "reclaimed", and only the last attempt "done". The finished job's error is None.
     with engine.connect() as conn:
         history: dict[int, list[tuple[int, str]]] = {}
-        for h in conn.execute(sa.select(jobq._attempts).order_by(jobq._attempts.c.id)):
+        for h in conn.execute(sa.select(ATTEMPTS).order_by(ATTEMPTS.c.id)):
             history.setdefault(h.job_id, []).append((h.attempt, h.outcome))
     for i in ids:
         r = rows[i]
@@ -193,5 +193,5 @@ def test_the_process_executor_kills_a_stuck_handler(engine: sa.Engine, db_url: s
     info = jobq.get(engine, jid)
     assert info is not None and info.state == "failed" and "timed out" in (info.error or "")
     with engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(jobq._slots).where(jobq._slots.c.job_id == jid)).scalar_one() == 0
+        assert conn.execute(sa.select(sa.func.count()).select_from(SLOTS).where(SLOTS.c.job_id == jid)).scalar_one() == 0
     assert ("timed_out", jid) in events(tmp_path)

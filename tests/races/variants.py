@@ -113,7 +113,7 @@ def _rate_room_apart(engine: sa.Engine) -> int:
     n, period = RATE
     with engine.begin() as conn:
         now = jobq._prepare(engine).db_now(conn)
-        starts = jobq._starts
+        starts = jobq.Base.metadata.tables["jobq_starts"]
         used = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(starts.c.n), 0))
                             .where(starts.c.started_at > now - dt.timedelta(seconds=period))).scalar_one()
     return n - int(used)
