@@ -34,6 +34,7 @@ from .base import (
     InvalidJob,
     JobqError,
     LeaseLost,
+    NoRetry,
     UniqueKeyHeld,
     UnsupportedDatabase,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_NAME_LENGTH",
+    "NoRetry",
     "PG_NOTIFY_CHANNEL",
     "SCHEMA_VERSION",
     "SQLITE_BUSY_TIMEOUT_MS",

@@ -11,7 +11,7 @@ from typing import Any
 
 from .base import ConfigError
 from .claiming import claim, claim_batch
-from .context import JobContext, WorkerOptions, _check_worker_target, _format_error, _Running
+from .context import JobContext, WorkerOptions, _check_worker_target, _error_outcome, _Running
 from .control import cancel, prune, retry, stats, tick, why
 from .drivers import _T, _prepare
 from .fastpath import _await_only, _greenlet_spawn
@@ -239,7 +239,7 @@ class AsyncWorker(_WorkerCore):
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
-            kind, payload = "error", _format_error(exc)
+            kind, payload = _error_outcome(exc)
         self._tasks.pop(run.key, None)
         self._finish(run, kind, payload)
 

@@ -151,6 +151,23 @@ class UniqueKeyHeld(InvalidJob):
         return (type(self), (self.key, self.job_id, self.spawned_by))
 
 
+class NoRetry(JobqError):
+    """Raised by a handler: fail the job now, whatever attempts it has left.
+
+    The attempt ends ``failed`` with this error (its class and ``reason``) as the job's error,
+    and the job's dependents close as after any final failure. Nothing else ends a job this
+    way: a lost lease or a timeout is never taken for it, and a handler whose lease is gone
+    has its ``NoRetry`` discarded with its other outcomes.
+
+    Attributes:
+        reason: why the job cannot succeed (the error's message).
+    """
+
+    def __init__(self, reason: str = "the handler gave up: not retried") -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
 def _utcnow() -> _dt.datetime:
     return _dt.datetime.now(_dt.UTC).replace(tzinfo=None)
 

@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _utcnow
+from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, NoRetry, _utcnow
 from .claiming import Lease, _check_rate_limits
 from .drivers import _local_clock, _prepare
 from .jobs import _JOB_FIELD_NAMES, _ONE, _Plan, _plan
@@ -364,7 +364,7 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
-        conn.send(("error", _format_error(exc)))
+        conn.send(_error_outcome(exc))
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
@@ -488,3 +488,9 @@ def _format_error(exc: BaseException) -> str:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     head = f"{type(exc).__name__}: {exc}"
     return (head + "\n" + tb[-(_ERROR_LIMIT - len(head) - 1) :])[:_ERROR_LIMIT]
+
+
+def _error_outcome(exc: BaseException) -> tuple[str, str]:
+    """A handler's exception as its dispatch's outcome: ("fatal", error) for one that must not
+    be retried (NoRetry), else ("error", error), retried while attempts remain."""
+    return ("fatal" if isinstance(exc, NoRetry) else "error"), _format_error(exc)

@@ -36,6 +36,7 @@ from .context import (
     _check_worker_target,
     _Clock,
     _die_with_worker,
+    _error_outcome,
     _format_error,
     _process_main,
     _Running,
@@ -1030,7 +1031,7 @@ class Worker(_WorkerCore):
             value = self.handlers[run.lease.type](run.ctx)
             return self._check_result(value)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a handler thread is a failure, never success
-            return "error", _format_error(exc)
+            return _error_outcome(exc)
 
     def _execute_in_process(self, run: _Running) -> tuple[str, Any]:
         from multiprocessing.connection import wait
@@ -1076,8 +1077,8 @@ class Worker(_WorkerCore):
                 kind, payload = "error", f"handler process died (exit code {proc.exitcode})"
             elif msg[0] == "ok":
                 kind, payload = self._check_result(msg[1])
-            else:
-                kind, payload = "error", msg[1]
+            else:  # "error", or "fatal" (not to be retried: _error_outcome in the handler's process)
+                kind, payload = ("fatal" if msg[0] == "fatal" else "error"), msg[1]
         except BaseException as exc:  # noqa: BLE001
             kind, payload = "error", _format_error(exc)
         finally:

@@ -76,6 +76,7 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_NAME_LENGTH",
+    "NoRetry",
     "PG_NOTIFY_CHANNEL",
     "SCHEMA_VERSION",
     "SQLITE_BUSY_TIMEOUT_MS",
@@ -262,6 +263,23 @@ class UniqueKeyHeld(InvalidJob):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.key, self.job_id, self.spawned_by))
+
+
+class NoRetry(JobqError):
+    """Raised by a handler: fail the job now, whatever attempts it has left.
+
+    The attempt ends ``failed`` with this error (its class and ``reason``) as the job's error,
+    and the job's dependents close as after any final failure. Nothing else ends a job this
+    way: a lost lease or a timeout is never taken for it, and a handler whose lease is gone
+    has its ``NoRetry`` discarded with its other outcomes.
+
+    Attributes:
+        reason: why the job cannot succeed (the error's message).
+    """
+
+    def __init__(self, reason: str = "the handler gave up: not retried") -> None:
+        self.reason = reason
+        super().__init__(reason)
 
 
 def _utcnow() -> _dt.datetime:
@@ -7126,7 +7144,7 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
-        conn.send(("error", _format_error(exc)))
+        conn.send(_error_outcome(exc))
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
@@ -7250,6 +7268,12 @@ def _format_error(exc: BaseException) -> str:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     head = f"{type(exc).__name__}: {exc}"
     return (head + "\n" + tb[-(_ERROR_LIMIT - len(head) - 1) :])[:_ERROR_LIMIT]
+
+
+def _error_outcome(exc: BaseException) -> tuple[str, str]:
+    """A handler's exception as its dispatch's outcome: ("fatal", error) for one that must not
+    be retried (NoRetry), else ("error", error), retried while attempts remain."""
+    return ("fatal" if isinstance(exc, NoRetry) else "error"), _format_error(exc)
 
 
 # ==============================================================================================
@@ -8232,7 +8256,7 @@ class Worker(_WorkerCore):
             value = self.handlers[run.lease.type](run.ctx)
             return self._check_result(value)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a handler thread is a failure, never success
-            return "error", _format_error(exc)
+            return _error_outcome(exc)
 
     def _execute_in_process(self, run: _Running) -> tuple[str, Any]:
         from multiprocessing.connection import wait
@@ -8278,8 +8302,8 @@ class Worker(_WorkerCore):
                 kind, payload = "error", f"handler process died (exit code {proc.exitcode})"
             elif msg[0] == "ok":
                 kind, payload = self._check_result(msg[1])
-            else:
-                kind, payload = "error", msg[1]
+            else:  # "error", or "fatal" (not to be retried: _error_outcome in the handler's process)
+                kind, payload = ("fatal" if msg[0] == "fatal" else "error"), msg[1]
         except BaseException as exc:  # noqa: BLE001
             kind, payload = "error", _format_error(exc)
         finally:
@@ -8572,7 +8596,7 @@ class AsyncWorker(_WorkerCore):
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
-            kind, payload = "error", _format_error(exc)
+            kind, payload = _error_outcome(exc)
         self._tasks.pop(run.key, None)
         self._finish(run, kind, payload)
 
