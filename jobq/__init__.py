@@ -41,7 +41,7 @@ from .base import (
 from .base import __version__ as __version__
 from .claiming import CLAIM_WINDOW, ClaimedId, Lease, claim, claim_batch
 from .cli import main
-from .context import JobContext, WorkerOptions
+from .context import JobContext, RetryPolicy, WorkerOptions
 from .control import cancel, prune, retry, stats, tick, why
 from .drivers import PG_NOTIFY_CHANNEL, SQLITE_BUSY_TIMEOUT_MS, TX_RETRIES
 from .jobs import AttemptInfo, JobInfo, attempts, create_schema, enqueue, get, submit
@@ -78,6 +78,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "NoRetry",
     "PG_NOTIFY_CHANNEL",
+    "RetryPolicy",
     "SCHEMA_VERSION",
     "SQLITE_BUSY_TIMEOUT_MS",
     "START_LOG_RETENTION",

@@ -239,7 +239,7 @@ class AsyncWorker(_WorkerCore):
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
-            kind, payload = _error_outcome(exc)
+            kind, payload = _error_outcome(exc, self._policies.get(run.lease.type))
         self._tasks.pop(run.key, None)
         self._finish(run, kind, payload)
 

@@ -15,7 +15,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -28,6 +28,7 @@ from .outcomes import _ERROR_LIMIT
 from .policy import backoff
 from .sql import _Outcome
 from .validate import (
+    _MAX_DELAY,
     _MAX_SLOTS,
     _check_int,
     _check_json,
@@ -364,7 +365,7 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
-        conn.send(_error_outcome(exc))
+        conn.send(_error_outcome(exc, _retry_policy_of(handler)))
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
@@ -473,6 +474,89 @@ class WorkerOptions:
         fix("finalize_delay", delay)
 
 
+_H = TypeVar("_H", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How failures of one job type are retried, set on its handler: decorate the handler with
+    the policy (``@jobq.RetryPolicy(attempts=5, retry_on=(TimeoutError,))``) and give it to a
+    worker in ``handlers`` as usual. Every field left None falls back to what the worker does
+    without a policy.
+
+    Precedence: a job's own ``max_attempts`` (given at enqueue) wins over ``attempts``, which
+    wins over enqueue's default (3). The job row holds one number, so a job enqueued with
+    ``max_attempts`` equal to that default cannot be told from one enqueued without it: the
+    policy applies to both. The worker writes the policy's attempts into such a job when it
+    claims it, so every later reader (a reclaim sweep, ``get``, ``why``) sees the same limit.
+    Back-off: the policy's (when it sets ``base``, ``cap`` or ``jitter``), else the worker's
+    ``retry_backoff``, else :func:`jobq.backoff`.
+
+    Args:
+        attempts: dispatches a job of this type may have (1-1000), unless it was enqueued
+            with a ``max_attempts`` of its own.
+        base: seconds before the first retry; the delay doubles with each attempt
+            (:func:`jobq.backoff`; default 1.0 once any of base, cap, jitter is set).
+        cap: the longest delay in seconds (default 300.0).
+        jitter: spread of each delay, a fraction in 0 .. 1 (default 0.1: +/- 10%).
+        retry_on: the exception classes that are retried (a class or a tuple of them). An
+            exception of any other class fails the job at once, as :class:`jobq.NoRetry`
+            does, and its error says so. None (the default): every exception is retried.
+            A timeout is always retried while attempts remain.
+
+    Raises:
+        ConfigError: a field is out of range, or ``retry_on`` holds something that is not an
+            exception class.
+    """
+
+    attempts: int | None = None
+    base: float | None = None
+    cap: float | None = None
+    jitter: float | None = None
+    retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None
+
+    def __post_init__(self) -> None:
+        fix = functools.partial(object.__setattr__, self)
+        if self.attempts is not None:
+            fix("attempts", _check_int(self.attempts, "RetryPolicy attempts", 1, 1000, ConfigError))
+        for name, hi in (("base", _MAX_DELAY), ("cap", _MAX_DELAY), ("jitter", 1.0)):
+            value = getattr(self, name)
+            if value is not None:
+                fix(name, _check_number(value, f"RetryPolicy {name}", 0.0, hi, ConfigError))
+        on = self.retry_on
+        if on is not None:
+            classes = on if isinstance(on, tuple) else (on,)
+            for c in classes:
+                if not (isinstance(c, type) and issubclass(c, BaseException)):
+                    raise ConfigError(f"RetryPolicy retry_on must be exception classes, got {c!r}")
+            fix("retry_on", classes)
+
+    def delay(self, attempt: int) -> float | None:
+        """Seconds before retrying a failed ``attempt`` (1-based), or None when this policy
+        sets no back-off (the worker's applies)."""
+        if self.base is None and self.cap is None and self.jitter is None:
+            return None
+        return backoff(attempt, base=1.0 if self.base is None else self.base,
+                       cap=300.0 if self.cap is None else self.cap, jitter=0.1 if self.jitter is None else self.jitter)
+
+    def __call__(self, handler: _H) -> _H:
+        """Attach this policy to ``handler`` (a function, sync or ``async def``) and return it."""
+        if not callable(handler):
+            raise ConfigError(f"RetryPolicy decorates a handler function, got {_type_name(handler)}")
+        try:
+            handler.jobq_retry = self  # type: ignore[attr-defined]
+        except AttributeError:
+            raise ConfigError(f"cannot attach a RetryPolicy to {_type_name(handler)}: decorate the function "
+                              "itself (in a class body, the method's def)") from None
+        return handler
+
+
+def _retry_policy_of(handler: Any) -> RetryPolicy | None:
+    """The RetryPolicy a handler carries (RetryPolicy.__call__), or None."""
+    p = getattr(handler, "jobq_retry", None)
+    return p if isinstance(p, RetryPolicy) else None
+
+
 def _check_worker_target(engine: Engine, handlers: Any) -> None:
     if not isinstance(engine, Engine):
         raise ConfigError(f"engine must be a SQLAlchemy Engine, got {_type_name(engine)}")
@@ -490,7 +574,14 @@ def _format_error(exc: BaseException) -> str:
     return (head + "\n" + tb[-(_ERROR_LIMIT - len(head) - 1) :])[:_ERROR_LIMIT]
 
 
-def _error_outcome(exc: BaseException) -> tuple[str, str]:
+def _error_outcome(exc: BaseException, policy: RetryPolicy | None = None) -> tuple[str, str]:
     """A handler's exception as its dispatch's outcome: ("fatal", error) for one that must not
-    be retried (NoRetry), else ("error", error), retried while attempts remain."""
-    return ("fatal" if isinstance(exc, NoRetry) else "error"), _format_error(exc)
+    be retried (NoRetry, or a class outside the policy's retry_on), else ("error", error),
+    retried while attempts remain."""
+    if isinstance(exc, NoRetry):
+        return "fatal", _format_error(exc)
+    on = policy.retry_on if policy is not None else None
+    if on is not None and not isinstance(exc, on):
+        note = f"not retried ({type(exc).__name__} is not in the handler's RetryPolicy retry_on): "
+        return "fatal", (note + _format_error(exc))[:_ERROR_LIMIT]
+    return "error", _format_error(exc)

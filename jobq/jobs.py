@@ -205,6 +205,11 @@ def _run_after_row(value: _dt.datetime | _dt.timedelta | None, now: _dt.datetime
     return now if value is None else value
 
 
+#: enqueue's max_attempts when none is given; a handler's RetryPolicy may set its own instead
+#: (Worker._own_attempts). Keep in sync with enqueue's signature and the column's default.
+_DEFAULT_ATTEMPTS = 3
+
+
 def _field(default: Any, check: Callable[[Any, bool], Any], column: str | None = None,
            to_row: Callable[[Any, _dt.datetime], Any] = lambda v, now: v) -> Any:
     """One job field: enqueue's keyword default, its check (``keys``: a submit item may name
@@ -227,7 +232,7 @@ class _JobSpec:
                                       lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
     container: bool = _field(False, lambda v, keys: bool(v), "is_container")
     run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
-    max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
+    max_attempts: int = _field(_DEFAULT_ATTEMPTS, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
     priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
     unique_key: str | None = _field(None, lambda v, keys: None if v is None else _check_name(v, "unique_key"), "unique_key")

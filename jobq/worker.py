@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _checkpoint, _emit, logger
+from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _checkpoint, _chunks, _emit, logger
 from .claiming import Lease, _lease_rows
 from .context import (
     _BATCH_BYTES,
@@ -31,6 +31,7 @@ from .context import (
     _NOTIFY_RECHECK,
     _WRITE_TRIES,
     JobContext,
+    RetryPolicy,
     WorkerOptions,
     _Batch,
     _check_worker_target,
@@ -39,10 +40,11 @@ from .context import (
     _error_outcome,
     _format_error,
     _process_main,
+    _retry_policy_of,
     _Running,
 )
 from .drivers import _T, _Dialect, _listen_supported, _listener_connection, _prepare, _transaction
-from .jobs import _Hold, _Plan, _spawn
+from .jobs import _DEFAULT_ATTEMPTS, _Hold, _Plan, _spawn
 from .outcomes import _ERROR_LIMIT, _SWEEP_LIMIT, _SWEEP_SECONDS, _apply_outcomes, _heartbeat_rows, _reclaim_rows
 from .policy import backoff
 from .sql import (
@@ -54,6 +56,7 @@ from .sql import (
     _q_progress,
     _q_reclaimed,
     _q_renew_held_slots,
+    _q_set_max_attempts,
 )
 from .validate import _MAX_DELAY, _encode_checked, _one_line, _type_name
 
@@ -75,6 +78,9 @@ class _WorkerCore:
         self.engine = engine
         self.handlers = dict(handlers)
         self._types = sorted(self.handlers)
+        #: The handlers' RetryPolicy values by job type, and the attempts those set (see _own_attempts).
+        self._policies: dict[str, RetryPolicy] = {t: p for t, fn in self.handlers.items() if (p := _retry_policy_of(fn))}
+        self._attempts_of: dict[str, int] = {t: p.attempts for t, p in self._policies.items() if p.attempts is not None}
         self._told_cap: int | None = None  # the stored global cap this worker last warned about
         if self.options.listen and not _listen_supported(engine):
             raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
@@ -245,11 +251,30 @@ class _WorkerCore:
             _hold_slots(conn, mine, self.worker_id, now + _dt.timedelta(seconds=self.options.lease_ttl))
         if limit <= 0:
             return reclaimed, [], mine
-        return reclaimed, _lease_rows(
+        leases = _lease_rows(
             conn, d, worker_id=self.worker_id, ttl=self.options.lease_ttl, now=now, limit=limit, types=self._types,
             max_in_flight=self.options.max_concurrency, group_caps=self.options.group_caps or None, state="running",
             rate_limits=self.options.rate_limits or None, fresh_now=True, seen_cap=self._stored_cap,
-        ), mine
+        )
+        return reclaimed, (self._own_attempts(conn, leases) if self._attempts_of else leases), mine
+
+    def _own_attempts(self, conn: Connection, leases: list[Lease]) -> list[Lease]:
+        """In the claim's transaction: jobs whose handler's RetryPolicy sets ``attempts`` and
+        that were enqueued without a ``max_attempts`` of their own (the row holds the default)
+        get the policy's number, in their row (so a reclaim sweep, ``get`` and ``why`` see it)
+        and in their lease."""
+        fix: dict[tuple[int, str], list[int]] = {}
+        out: list[Lease] = []
+        for lease in leases:
+            n = self._attempts_of.get(lease.type)
+            if n is not None and lease.max_attempts == _DEFAULT_ATTEMPTS != n:
+                fix.setdefault((n, lease.token), []).append(lease.id)
+                lease = dataclasses.replace(lease, max_attempts=n)
+            out.append(lease)
+        for (n, token), ids in sorted(fix.items()):
+            for chunk in _chunks(ids):
+                conn.execute(_q_set_max_attempts(list(chunk), token, n))
+        return out
 
     def _stored_cap(self, cap: int) -> None:
         """The claim read the database's stored global cap: say once (per value) that this
@@ -460,7 +485,7 @@ class _WorkerCore:
                                              parent_id=lease.parent_id, spawned=run.spawned))
             else:
                 retry = kind == "error" and lease.attempt < lease.max_attempts
-                delay = self._backoff(lease.attempt) if retry else 0.0
+                delay = self._backoff(lease.attempt, lease.type) if retry else 0.0
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
                                              error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id,
                                              spawned=run.spawned))
@@ -606,11 +631,16 @@ class _WorkerCore:
         self._stop_handlers(runs)
         return list(runs)
 
-    def _backoff(self, attempt: int) -> float:
-        """Seconds before the retry of a failed ``attempt``: ``retry_backoff``'s answer, held to
+    def _backoff(self, attempt: int, type_: str = "") -> float:
+        """Seconds before the retry of a failed ``attempt`` of a job of ``type_``: its handler's
+        RetryPolicy's back-off if it sets one, else ``retry_backoff``'s answer, held to
         0 .. _MAX_DELAY (infinity waits the longest), so a bad answer cannot stop the worker's
         write with an OverflowError. One that is no number (or raises) is logged, and the
         default :func:`backoff` is used instead."""
+        policy = self._policies.get(type_)
+        own = policy.delay(attempt) if policy is not None else None
+        if own is not None:
+            return min(own, _MAX_DELAY)
         try:
             delay = self.retry_backoff(attempt)
             if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay != delay:  # NaN
@@ -634,7 +664,7 @@ class _WorkerCore:
             retry = lease.attempt < lease.max_attempts
             return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed", ended="timeout",
                             error=f"timed out after {now_m - run.started:.1f}s (limit {run.deadline - run.started:.1f}s)",  # type: ignore[operator]
-                            delay=self._backoff(lease.attempt) if retry else 0.0)
+                            delay=self._backoff(lease.attempt, lease.type) if retry else 0.0)
 
         try:
             self._abandon(late, "timed_out", outcome)
@@ -1031,7 +1061,7 @@ class Worker(_WorkerCore):
             value = self.handlers[run.lease.type](run.ctx)
             return self._check_result(value)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a handler thread is a failure, never success
-            return _error_outcome(exc)
+            return _error_outcome(exc, self._policies.get(run.lease.type))
 
     def _execute_in_process(self, run: _Running) -> tuple[str, Any]:
         from multiprocessing.connection import wait

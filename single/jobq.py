@@ -78,6 +78,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "NoRetry",
     "PG_NOTIFY_CHANNEL",
+    "RetryPolicy",
     "SCHEMA_VERSION",
     "SQLITE_BUSY_TIMEOUT_MS",
     "START_LOG_RETENTION",
@@ -1759,6 +1760,11 @@ def _q_hold_slots() -> sa.Insert:
 
 def _q_renew_held_slots(worker_id: str, expires: _dt.datetime) -> sa.Update:
     return sa.update(_slots).where(_slots.c.worker_id == worker_id).values(expires=expires)
+
+
+def _q_set_max_attempts(ids: list[int], token: str, n: int) -> sa.Update:
+    # In the claim's transaction, on rows it just leased under ``token`` (Worker._own_attempts).
+    return _update_jobs().where(_c.id.in_(ids), _c.lease_token == token).values(max_attempts=n)
 
 
 # ---- reclaim and housekeeping -----------------------------------------------------------------
@@ -5559,6 +5565,11 @@ def _run_after_row(value: _dt.datetime | _dt.timedelta | None, now: _dt.datetime
     return now if value is None else value
 
 
+#: enqueue's max_attempts when none is given; a handler's RetryPolicy may set its own instead
+#: (Worker._own_attempts). Keep in sync with enqueue's signature and the column's default.
+_DEFAULT_ATTEMPTS = 3
+
+
 def _field(default: Any, check: Callable[[Any, bool], Any], column: str | None = None,
            to_row: Callable[[Any, _dt.datetime], Any] = lambda v, now: v) -> Any:
     """One job field: enqueue's keyword default, its check (``keys``: a submit item may name
@@ -5581,7 +5592,7 @@ class _JobSpec:
                                       lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
     container: bool = _field(False, lambda v, keys: bool(v), "is_container")
     run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
-    max_attempts: int = _field(3, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
+    max_attempts: int = _field(_DEFAULT_ATTEMPTS, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
     priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
     unique_key: str | None = _field(None, lambda v, keys: None if v is None else _check_name(v, "unique_key"), "unique_key")
@@ -7144,7 +7155,7 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
-        conn.send(_error_outcome(exc))
+        conn.send(_error_outcome(exc, _retry_policy_of(handler)))
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
@@ -7253,6 +7264,89 @@ class WorkerOptions:
         fix("finalize_delay", delay)
 
 
+_H = TypeVar("_H", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How failures of one job type are retried, set on its handler: decorate the handler with
+    the policy (``@jobq.RetryPolicy(attempts=5, retry_on=(TimeoutError,))``) and give it to a
+    worker in ``handlers`` as usual. Every field left None falls back to what the worker does
+    without a policy.
+
+    Precedence: a job's own ``max_attempts`` (given at enqueue) wins over ``attempts``, which
+    wins over enqueue's default (3). The job row holds one number, so a job enqueued with
+    ``max_attempts`` equal to that default cannot be told from one enqueued without it: the
+    policy applies to both. The worker writes the policy's attempts into such a job when it
+    claims it, so every later reader (a reclaim sweep, ``get``, ``why``) sees the same limit.
+    Back-off: the policy's (when it sets ``base``, ``cap`` or ``jitter``), else the worker's
+    ``retry_backoff``, else :func:`jobq.backoff`.
+
+    Args:
+        attempts: dispatches a job of this type may have (1-1000), unless it was enqueued
+            with a ``max_attempts`` of its own.
+        base: seconds before the first retry; the delay doubles with each attempt
+            (:func:`jobq.backoff`; default 1.0 once any of base, cap, jitter is set).
+        cap: the longest delay in seconds (default 300.0).
+        jitter: spread of each delay, a fraction in 0 .. 1 (default 0.1: +/- 10%).
+        retry_on: the exception classes that are retried (a class or a tuple of them). An
+            exception of any other class fails the job at once, as :class:`jobq.NoRetry`
+            does, and its error says so. None (the default): every exception is retried.
+            A timeout is always retried while attempts remain.
+
+    Raises:
+        ConfigError: a field is out of range, or ``retry_on`` holds something that is not an
+            exception class.
+    """
+
+    attempts: int | None = None
+    base: float | None = None
+    cap: float | None = None
+    jitter: float | None = None
+    retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None
+
+    def __post_init__(self) -> None:
+        fix = functools.partial(object.__setattr__, self)
+        if self.attempts is not None:
+            fix("attempts", _check_int(self.attempts, "RetryPolicy attempts", 1, 1000, ConfigError))
+        for name, hi in (("base", _MAX_DELAY), ("cap", _MAX_DELAY), ("jitter", 1.0)):
+            value = getattr(self, name)
+            if value is not None:
+                fix(name, _check_number(value, f"RetryPolicy {name}", 0.0, hi, ConfigError))
+        on = self.retry_on
+        if on is not None:
+            classes = on if isinstance(on, tuple) else (on,)
+            for c in classes:
+                if not (isinstance(c, type) and issubclass(c, BaseException)):
+                    raise ConfigError(f"RetryPolicy retry_on must be exception classes, got {c!r}")
+            fix("retry_on", classes)
+
+    def delay(self, attempt: int) -> float | None:
+        """Seconds before retrying a failed ``attempt`` (1-based), or None when this policy
+        sets no back-off (the worker's applies)."""
+        if self.base is None and self.cap is None and self.jitter is None:
+            return None
+        return backoff(attempt, base=1.0 if self.base is None else self.base,
+                       cap=300.0 if self.cap is None else self.cap, jitter=0.1 if self.jitter is None else self.jitter)
+
+    def __call__(self, handler: _H) -> _H:
+        """Attach this policy to ``handler`` (a function, sync or ``async def``) and return it."""
+        if not callable(handler):
+            raise ConfigError(f"RetryPolicy decorates a handler function, got {_type_name(handler)}")
+        try:
+            handler.jobq_retry = self  # type: ignore[attr-defined]
+        except AttributeError:
+            raise ConfigError(f"cannot attach a RetryPolicy to {_type_name(handler)}: decorate the function "
+                              "itself (in a class body, the method's def)") from None
+        return handler
+
+
+def _retry_policy_of(handler: Any) -> RetryPolicy | None:
+    """The RetryPolicy a handler carries (RetryPolicy.__call__), or None."""
+    p = getattr(handler, "jobq_retry", None)
+    return p if isinstance(p, RetryPolicy) else None
+
+
 def _check_worker_target(engine: Engine, handlers: Any) -> None:
     if not isinstance(engine, Engine):
         raise ConfigError(f"engine must be a SQLAlchemy Engine, got {_type_name(engine)}")
@@ -7270,10 +7364,17 @@ def _format_error(exc: BaseException) -> str:
     return (head + "\n" + tb[-(_ERROR_LIMIT - len(head) - 1) :])[:_ERROR_LIMIT]
 
 
-def _error_outcome(exc: BaseException) -> tuple[str, str]:
+def _error_outcome(exc: BaseException, policy: RetryPolicy | None = None) -> tuple[str, str]:
     """A handler's exception as its dispatch's outcome: ("fatal", error) for one that must not
-    be retried (NoRetry), else ("error", error), retried while attempts remain."""
-    return ("fatal" if isinstance(exc, NoRetry) else "error"), _format_error(exc)
+    be retried (NoRetry, or a class outside the policy's retry_on), else ("error", error),
+    retried while attempts remain."""
+    if isinstance(exc, NoRetry):
+        return "fatal", _format_error(exc)
+    on = policy.retry_on if policy is not None else None
+    if on is not None and not isinstance(exc, on):
+        note = f"not retried ({type(exc).__name__} is not in the handler's RetryPolicy retry_on): "
+        return "fatal", (note + _format_error(exc))[:_ERROR_LIMIT]
+    return "error", _format_error(exc)
 
 
 # ==============================================================================================
@@ -7300,6 +7401,9 @@ class _WorkerCore:
         self.engine = engine
         self.handlers = dict(handlers)
         self._types = sorted(self.handlers)
+        #: The handlers' RetryPolicy values by job type, and the attempts those set (see _own_attempts).
+        self._policies: dict[str, RetryPolicy] = {t: p for t, fn in self.handlers.items() if (p := _retry_policy_of(fn))}
+        self._attempts_of: dict[str, int] = {t: p.attempts for t, p in self._policies.items() if p.attempts is not None}
         self._told_cap: int | None = None  # the stored global cap this worker last warned about
         if self.options.listen and not _listen_supported(engine):
             raise ConfigError("listen=True needs PostgreSQL with the psycopg (3) driver")
@@ -7470,11 +7574,30 @@ class _WorkerCore:
             _hold_slots(conn, mine, self.worker_id, now + _dt.timedelta(seconds=self.options.lease_ttl))
         if limit <= 0:
             return reclaimed, [], mine
-        return reclaimed, _lease_rows(
+        leases = _lease_rows(
             conn, d, worker_id=self.worker_id, ttl=self.options.lease_ttl, now=now, limit=limit, types=self._types,
             max_in_flight=self.options.max_concurrency, group_caps=self.options.group_caps or None, state="running",
             rate_limits=self.options.rate_limits or None, fresh_now=True, seen_cap=self._stored_cap,
-        ), mine
+        )
+        return reclaimed, (self._own_attempts(conn, leases) if self._attempts_of else leases), mine
+
+    def _own_attempts(self, conn: Connection, leases: list[Lease]) -> list[Lease]:
+        """In the claim's transaction: jobs whose handler's RetryPolicy sets ``attempts`` and
+        that were enqueued without a ``max_attempts`` of their own (the row holds the default)
+        get the policy's number, in their row (so a reclaim sweep, ``get`` and ``why`` see it)
+        and in their lease."""
+        fix: dict[tuple[int, str], list[int]] = {}
+        out: list[Lease] = []
+        for lease in leases:
+            n = self._attempts_of.get(lease.type)
+            if n is not None and lease.max_attempts == _DEFAULT_ATTEMPTS != n:
+                fix.setdefault((n, lease.token), []).append(lease.id)
+                lease = dataclasses.replace(lease, max_attempts=n)
+            out.append(lease)
+        for (n, token), ids in sorted(fix.items()):
+            for chunk in _chunks(ids):
+                conn.execute(_q_set_max_attempts(list(chunk), token, n))
+        return out
 
     def _stored_cap(self, cap: int) -> None:
         """The claim read the database's stored global cap: say once (per value) that this
@@ -7685,7 +7808,7 @@ class _WorkerCore:
                                              parent_id=lease.parent_id, spawned=run.spawned))
             else:
                 retry = kind == "error" and lease.attempt < lease.max_attempts
-                delay = self._backoff(lease.attempt) if retry else 0.0
+                delay = self._backoff(lease.attempt, lease.type) if retry else 0.0
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed",
                                              error=str(payload)[:_ERROR_LIMIT], delay=delay, parent_id=lease.parent_id,
                                              spawned=run.spawned))
@@ -7831,11 +7954,16 @@ class _WorkerCore:
         self._stop_handlers(runs)
         return list(runs)
 
-    def _backoff(self, attempt: int) -> float:
-        """Seconds before the retry of a failed ``attempt``: ``retry_backoff``'s answer, held to
+    def _backoff(self, attempt: int, type_: str = "") -> float:
+        """Seconds before the retry of a failed ``attempt`` of a job of ``type_``: its handler's
+        RetryPolicy's back-off if it sets one, else ``retry_backoff``'s answer, held to
         0 .. _MAX_DELAY (infinity waits the longest), so a bad answer cannot stop the worker's
         write with an OverflowError. One that is no number (or raises) is logged, and the
         default :func:`backoff` is used instead."""
+        policy = self._policies.get(type_)
+        own = policy.delay(attempt) if policy is not None else None
+        if own is not None:
+            return min(own, _MAX_DELAY)
         try:
             delay = self.retry_backoff(attempt)
             if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay != delay:  # NaN
@@ -7859,7 +7987,7 @@ class _WorkerCore:
             retry = lease.attempt < lease.max_attempts
             return _Outcome(lease.id, self.worker_id, lease.token, "retry" if retry else "failed", ended="timeout",
                             error=f"timed out after {now_m - run.started:.1f}s (limit {run.deadline - run.started:.1f}s)",  # type: ignore[operator]
-                            delay=self._backoff(lease.attempt) if retry else 0.0)
+                            delay=self._backoff(lease.attempt, lease.type) if retry else 0.0)
 
         try:
             self._abandon(late, "timed_out", outcome)
@@ -8256,7 +8384,7 @@ class Worker(_WorkerCore):
             value = self.handlers[run.lease.type](run.ctx)
             return self._check_result(value)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a handler thread is a failure, never success
-            return _error_outcome(exc)
+            return _error_outcome(exc, self._policies.get(run.lease.type))
 
     def _execute_in_process(self, run: _Running) -> tuple[str, Any]:
         from multiprocessing.connection import wait
@@ -8596,7 +8724,7 @@ class AsyncWorker(_WorkerCore):
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
-            kind, payload = _error_outcome(exc)
+            kind, payload = _error_outcome(exc, self._policies.get(run.lease.type))
         self._tasks.pop(run.key, None)
         self._finish(run, kind, payload)
 

@@ -10,6 +10,7 @@ waiting, or the handler process's NoRetry lost on its way through the pipe.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 import jobq
 from dbs import async_url
-from helpers import FAST
+from helpers import FAST, expire_leases, wait_for
 
 
 def _history(engine: sa.Engine, job_id: int) -> list[tuple[int, str]]:
@@ -86,3 +87,161 @@ def test_an_ordinary_error_is_still_retried(engine: sa.Engine) -> None:
 
     assert jobq.Worker(engine, {"flaky": flaky}, max_concurrency=1, **FAST).run_until_idle(timeout=60)
     assert _history(engine, job) == [(1, "failed"), (2, "failed"), (3, "failed")]
+
+
+# ---- retry policy per job type ----------------------------------------------------------------
+#
+# Correct: a handler decorated with jobq.RetryPolicy sets, for its type only, how many attempts a
+# job has (unless the job was enqueued with its own max_attempts), the back-off before each retry
+# (over the worker's retry_backoff), and which exceptions are retried (any other fails the job at
+# once, saying so). The bugs these catch: the policy ignored (3 attempts, the worker's back-off),
+# the policy beating enqueue's value, the limit known to the worker but not to the row (a reclaim
+# sweep then retries a job the policy says is done for), and retry_on lost in a handler process.
+
+
+@jobq.RetryPolicy(attempts=5)
+def _always_fails(ctx: jobq.JobContext) -> None:
+    raise RuntimeError(f"attempt {ctx.attempt} failed")
+
+
+def _plain_fails(ctx: jobq.JobContext) -> None:
+    raise RuntimeError("no policy here")
+
+
+def test_policy_attempts_apply_unless_the_job_was_enqueued_with_its_own(engine: sa.Engine) -> None:
+    """attempts=5 on the handler: a job enqueued without max_attempts runs 5 times and its row
+    says 5; one enqueued with max_attempts=2 runs twice; a type without a policy keeps 3."""
+    by_policy = jobq.enqueue(engine, "policy")
+    own = jobq.enqueue(engine, "policy", max_attempts=2)
+    plain = jobq.enqueue(engine, "plain")
+    w = jobq.Worker(engine, {"policy": _always_fails, "plain": _plain_fails}, max_concurrency=2, **FAST)
+    assert w.run_until_idle(timeout=60)
+    runs = {j: (jobq.get(engine, j).state, jobq.get(engine, j).attempts, jobq.get(engine, j).max_attempts)  # type: ignore[union-attr]
+            for j in (by_policy, own, plain)}
+    assert runs == {by_policy: ("failed", 5, 5), own: ("failed", 2, 2), plain: ("failed", 3, 3)}, runs
+
+
+def test_policy_attempts_hold_for_a_reclaimed_lease(engine: sa.Engine) -> None:
+    """attempts=1, and the dispatch's lease expires and is swept while its handler runs: the
+    sweep must see the policy's limit and fail the job (attempt 1 of 1), not give it back to
+    ready. The bug: the limit lives only in the worker's memory (the row still says 3), so the
+    sweep retries it and the job runs 3 times."""
+
+    @jobq.RetryPolicy(attempts=1)
+    def stalls(ctx: jobq.JobContext) -> None:
+        expire_leases(engine, ctx.id)  # as if this worker had stalled past its lease
+        jobq.reclaim(engine)
+
+    job = jobq.enqueue(engine, "stalls")
+    assert jobq.Worker(engine, {"stalls": stalls}, max_concurrency=1, **FAST).run_until_idle(timeout=60)
+    info = jobq.get(engine, job)
+    assert info is not None and (info.state, info.attempts, info.max_attempts) == ("failed", 1, 1), info
+    assert info.error is not None and "attempt 1 of 1" in info.error, info.error
+
+
+def test_policy_back_off_wins_over_the_worker_s(engine: sa.Engine) -> None:
+    """base=100 s without jitter on one handler, the worker's retry_backoff 50 s: that job's
+    retry is due exactly 100 s after its failed attempt ended (both written with one clock
+    reading); a job of a type whose policy sets only attempts keeps the worker's 50 s. Ticked
+    by hand: run_until_idle would wait out a retry's back-off."""
+
+    @jobq.RetryPolicy(attempts=2, base=100, jitter=0)
+    def slow(ctx: jobq.JobContext) -> None:
+        raise RuntimeError("later")
+
+    job = jobq.enqueue(engine, "slow")
+    other = jobq.enqueue(engine, "policy")
+    w = jobq.Worker(engine, {"slow": slow, "policy": _always_fails}, max_concurrency=2,
+                    **{**FAST, "retry_backoff": lambda attempt: 50.0})
+    wait_for(lambda: w.tick() >= 0 and jobq.attempts(engine, job) and jobq.attempts(engine, other),
+             timeout=30, what="one failed attempt each")
+    due = {}
+    for j in (job, other):
+        info, ended = jobq.get(engine, j), jobq.attempts(engine, j)
+        assert info is not None and info.state == "ready" and [a.outcome for a in ended] == ["failed"], info
+        due[j] = info.run_after - ended[0].finished_at
+    assert due == {job: dt.timedelta(seconds=100), other: dt.timedelta(seconds=50)}, due
+
+
+class _Flaky(ConnectionError):
+    pass
+
+
+@jobq.RetryPolicy(attempts=4, retry_on=(ConnectionError,))
+def _bad_input_or_network(ctx: jobq.JobContext) -> None:
+    if ctx.args["fault"] == "network":
+        raise _Flaky("peer reset")
+    raise ValueError("malformed order")
+
+
+def _check_retry_on(engine: sa.Engine, network: int, bad: int, dependent: int) -> None:
+    assert _history(engine, network) == [(i, "failed") for i in (1, 2, 3, 4)]
+    info = jobq.get(engine, bad)
+    assert info is not None and (info.state, info.attempts) == ("failed", 1), info
+    assert info.error is not None and info.error.startswith(
+        "not retried (ValueError is not in the handler's RetryPolicy retry_on): ValueError: malformed order"), info.error
+    assert jobq.get(engine, dependent).state == "failed"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_policy_retry_on_fails_other_exceptions_at_once(engine: sa.Engine, executor: str) -> None:
+    """retry_on=(ConnectionError,): a subclass of it is retried to the policy's 4 attempts; a
+    ValueError fails the job on attempt 1, its error saying why, and closes its dependent."""
+    network = jobq.enqueue(engine, "order", {"fault": "network"})
+    bad = jobq.enqueue(engine, "order", {"fault": "input"})
+    dependent = jobq.enqueue(engine, "ship", depends_on=[bad])
+    w = jobq.Worker(engine, {"order": _bad_input_or_network, "ship": lambda ctx: None}, max_concurrency=2,
+                    executor=executor, **FAST)
+    assert w.run_until_idle(timeout=60)
+    _check_retry_on(engine, network, bad, dependent)
+
+
+def test_policy_in_an_async_worker(engine: sa.Engine, db_url: str) -> None:
+    """An async def handler takes the policy the same way: attempts and retry_on hold."""
+
+    @jobq.RetryPolicy(attempts=4, retry_on=ConnectionError)
+    async def order(ctx: jobq.JobContext) -> None:
+        await asyncio.sleep(0)
+        _bad_input_or_network(ctx)
+
+    async def ship(ctx: jobq.JobContext) -> None:
+        return None
+
+    network = jobq.enqueue(engine, "order", {"fault": "network"})
+    bad = jobq.enqueue(engine, "order", {"fault": "input"})
+    dependent = jobq.enqueue(engine, "ship", depends_on=[bad])
+
+    async def main() -> bool:
+        eng = create_async_engine(async_url(db_url))
+        try:
+            w = jobq.AsyncWorker(eng, {"order": order, "ship": ship}, max_concurrency=2, **FAST)
+            return await w.run_until_idle(timeout=60)
+        finally:
+            await eng.dispose()
+
+    assert asyncio.run(main())
+    _check_retry_on(engine, network, bad, dependent)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"attempts": 0}, "RetryPolicy attempts must be"),
+    ({"attempts": True}, "RetryPolicy attempts must be an int"),
+    ({"base": -1}, "RetryPolicy base must be"),
+    ({"jitter": 2}, "RetryPolicy jitter must be"),
+    ({"cap": float("nan")}, "RetryPolicy cap must be"),
+    ({"retry_on": ("ConnectionError",)}, "RetryPolicy retry_on must be exception classes"),
+    ({"retry_on": int}, "RetryPolicy retry_on must be exception classes"),
+])
+def test_a_bad_policy_is_refused_with_one_line(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(jobq.ConfigError, match=message) as err:
+        jobq.RetryPolicy(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_a_policy_cannot_be_attached_to_a_bound_method() -> None:
+    class Handlers:
+        def run(self, ctx: jobq.JobContext) -> None:
+            return None
+
+    with pytest.raises(jobq.ConfigError, match="decorate the function itself"):
+        jobq.RetryPolicy(attempts=2)(Handlers().run)
