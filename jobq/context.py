@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -75,6 +76,30 @@ class JobContext:
         #: Inserts a checked _Plan held under this dispatch's lease; set by the worker (or, in a
         #: handler process, a call through the pipe to it).
         self._spawner: Callable[[_Plan], dict[str, int]] | None = None
+        #: Reads the upstreams' results (ctx.upstream): set by the runner, called on first access only.
+        self._read_upstream: Callable[[JobContext], dict[int, Any]] | None = None
+        self._upstream: Mapping[int, Any] | None = None
+
+    @property
+    def upstream(self) -> Mapping[int, Any]:
+        """The results of this job's direct upstreams (the jobs it depends on), by upstream job id.
+
+        Read from the database when a handler first asks, in one short read of its own, and kept
+        for the rest of the dispatch: a handler that never asks costs no query. Every upstream
+        is done when its dependent runs, so each value is that job's final result (a dict, or
+        None when its handler returned None). For jobs made with :func:`jobq.submit`, the ids
+        are those ``submit`` returned for the items' keys. A read-only mapping; empty for a job
+        without upstreams. In an :class:`AsyncWorker` the read runs through the greenlet
+        bridge, as ``ctx.enqueue`` does: no ``await``.
+
+        Raises:
+            JobqError: not the context a worker passed to a handler.
+        """
+        if self._upstream is None:
+            if self._read_upstream is None:
+                raise JobqError("ctx.upstream needs the context a Worker passes to its handler")
+            self._upstream = types.MappingProxyType(self._read_upstream(self))
+        return self._upstream
 
     def _event(self) -> Any:
         if self._stop is None:
@@ -361,11 +386,21 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
     ctx._save = functools.partial(_checkpoint_through_pipe, conn)
     ctx._report = lambda p: conn.send(("progress", p))
     ctx._spawner = functools.partial(_pipe_spawn, conn)
+    ctx._read_upstream = functools.partial(_upstream_through_pipe, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(_error_outcome(exc, _retry_policy_of(handler)))
+
+
+def _upstream_through_pipe(conn: Any, ctx: JobContext) -> dict[int, Any]:
+    # In a handler process: the parent reads the upstreams' results (it holds the connections).
+    conn.send(("upstream", None))
+    kind, value = conn.recv()
+    if kind != "ok":
+        raise JobqError(value)
+    return value  # type: ignore[no-any-return]
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:

@@ -160,6 +160,13 @@ def _q_upstream_ids(job_id: int) -> sa.Select[Any]:
     return sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id).order_by(_deps.c.depends_on_id)
 
 
+def _q_upstream_results(job_id: int) -> sa.Select[Any]:
+    """The direct upstreams of ``job_id`` with their results (ctx.upstream, read when a handler
+    first asks). A job runs only once every upstream is done, so each holds its final result."""
+    return (sa.select(_c.id, _c.result).join(_deps, _deps.c.depends_on_id == _c.id)
+            .where(_deps.c.job_id == job_id).order_by(_c.id))
+
+
 def _q_dependent_ids(job_id: int) -> sa.Select[Any]:
     return sa.select(_deps.c.job_id).where(_deps.c.depends_on_id == job_id).order_by(_deps.c.job_id)
 

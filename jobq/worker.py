@@ -57,6 +57,7 @@ from .sql import (
     _q_reclaimed,
     _q_renew_held_slots,
     _q_set_max_attempts,
+    _q_upstream_results,
 )
 from .validate import _MAX_DELAY, _encode_checked, _one_line, _type_name
 
@@ -347,9 +348,11 @@ class _WorkerCore:
         runs: list[_Running] = []
         now = time.monotonic()
         save = self._save_checkpoint  # one bound method for the claim, not one per job
+        upstream = self._read_upstream
         for lease in leases:
             ctx = JobContext(lease, self)
             ctx._save = save
+            ctx._read_upstream = upstream
             timeout = lease.timeout if lease.timeout is not None else self.options.timeout
             run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now, self)
             ctx._spawner = run
@@ -370,6 +373,11 @@ class _WorkerCore:
 
     def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
         self._store_checkpoint(ctx, state)
+
+    def _read_upstream(self, ctx: JobContext) -> dict[int, Any]:
+        """ctx.upstream, on first access: one short read in the handler's thread (or, for a
+        handler process, in its parent's handler thread). Unfenced: done results never change."""
+        return _transaction(self.engine, lambda conn, d: {i: r for i, r in conn.execute(_q_upstream_results(ctx.id))})
 
     def _store_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> None:
         """ctx.checkpoint: one short transaction, fenced by the dispatch's lease."""
@@ -1100,6 +1108,9 @@ class Worker(_WorkerCore):
                     elif msg[0] == "spawn":
                         recv.send(self._spawn_answer(run, msg[1]))
                         msg = None
+                    elif msg[0] == "upstream":
+                        recv.send(self._upstream_answer(run))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -1127,6 +1138,12 @@ class Worker(_WorkerCore):
             return "lost", str(exc)
         except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
             return "error", f"checkpoint not stored: {_one_line(exc)}"
+    def _upstream_answer(self, run: _Running) -> tuple[str, Any]:
+        try:
+            return "ok", self._read_upstream(run.ctx)
+        except Exception as exc:  # noqa: BLE001 - raised in the handler process as a JobqError
+            return "error", f"ctx.upstream could not be read: {_one_line(exc)}"
+
     def _spawn_answer(self, run: _Running, plan: _Plan) -> tuple[str, Any]:
         try:
             return "ids", self._spawn(run, plan)

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import uuid
 import weakref
 from collections import deque
@@ -959,6 +960,13 @@ def _q_job_state(job_id: int) -> sa.Select[Any]:
 
 def _q_upstream_ids(job_id: int) -> sa.Select[Any]:
     return sa.select(_deps.c.depends_on_id).where(_deps.c.job_id == job_id).order_by(_deps.c.depends_on_id)
+
+
+def _q_upstream_results(job_id: int) -> sa.Select[Any]:
+    """The direct upstreams of ``job_id`` with their results (ctx.upstream, read when a handler
+    first asks). A job runs only once every upstream is done, so each holds its final result."""
+    return (sa.select(_c.id, _c.result).join(_deps, _deps.c.depends_on_id == _c.id)
+            .where(_deps.c.job_id == job_id).order_by(_c.id))
 
 
 def _q_dependent_ids(job_id: int) -> sa.Select[Any]:
@@ -6865,6 +6873,30 @@ class JobContext:
         #: Inserts a checked _Plan held under this dispatch's lease; set by the worker (or, in a
         #: handler process, a call through the pipe to it).
         self._spawner: Callable[[_Plan], dict[str, int]] | None = None
+        #: Reads the upstreams' results (ctx.upstream): set by the runner, called on first access only.
+        self._read_upstream: Callable[[JobContext], dict[int, Any]] | None = None
+        self._upstream: Mapping[int, Any] | None = None
+
+    @property
+    def upstream(self) -> Mapping[int, Any]:
+        """The results of this job's direct upstreams (the jobs it depends on), by upstream job id.
+
+        Read from the database when a handler first asks, in one short read of its own, and kept
+        for the rest of the dispatch: a handler that never asks costs no query. Every upstream
+        is done when its dependent runs, so each value is that job's final result (a dict, or
+        None when its handler returned None). For jobs made with :func:`jobq.submit`, the ids
+        are those ``submit`` returned for the items' keys. A read-only mapping; empty for a job
+        without upstreams. In an :class:`AsyncWorker` the read runs through the greenlet
+        bridge, as ``ctx.enqueue`` does: no ``await``.
+
+        Raises:
+            JobqError: not the context a worker passed to a handler.
+        """
+        if self._upstream is None:
+            if self._read_upstream is None:
+                raise JobqError("ctx.upstream needs the context a Worker passes to its handler")
+            self._upstream = types.MappingProxyType(self._read_upstream(self))
+        return self._upstream
 
     def _event(self) -> Any:
         if self._stop is None:
@@ -7151,11 +7183,21 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
     ctx._save = functools.partial(_checkpoint_through_pipe, conn)
     ctx._report = lambda p: conn.send(("progress", p))
     ctx._spawner = functools.partial(_pipe_spawn, conn)
+    ctx._read_upstream = functools.partial(_upstream_through_pipe, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(_error_outcome(exc, _retry_policy_of(handler)))
+
+
+def _upstream_through_pipe(conn: Any, ctx: JobContext) -> dict[int, Any]:
+    # In a handler process: the parent reads the upstreams' results (it holds the connections).
+    conn.send(("upstream", None))
+    kind, value = conn.recv()
+    if kind != "ok":
+        raise JobqError(value)
+    return value  # type: ignore[no-any-return]
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
@@ -7670,9 +7712,11 @@ class _WorkerCore:
         runs: list[_Running] = []
         now = time.monotonic()
         save = self._save_checkpoint  # one bound method for the claim, not one per job
+        upstream = self._read_upstream
         for lease in leases:
             ctx = JobContext(lease, self)
             ctx._save = save
+            ctx._read_upstream = upstream
             timeout = lease.timeout if lease.timeout is not None else self.options.timeout
             run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now, self)
             ctx._spawner = run
@@ -7693,6 +7737,11 @@ class _WorkerCore:
 
     def _save_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> Any:
         self._store_checkpoint(ctx, state)
+
+    def _read_upstream(self, ctx: JobContext) -> dict[int, Any]:
+        """ctx.upstream, on first access: one short read in the handler's thread (or, for a
+        handler process, in its parent's handler thread). Unfenced: done results never change."""
+        return _transaction(self.engine, lambda conn, d: {i: r for i, r in conn.execute(_q_upstream_results(ctx.id))})
 
     def _store_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> None:
         """ctx.checkpoint: one short transaction, fenced by the dispatch's lease."""
@@ -8423,6 +8472,9 @@ class Worker(_WorkerCore):
                     elif msg[0] == "spawn":
                         recv.send(self._spawn_answer(run, msg[1]))
                         msg = None
+                    elif msg[0] == "upstream":
+                        recv.send(self._upstream_answer(run))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -8450,6 +8502,12 @@ class Worker(_WorkerCore):
             return "lost", str(exc)
         except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
             return "error", f"checkpoint not stored: {_one_line(exc)}"
+    def _upstream_answer(self, run: _Running) -> tuple[str, Any]:
+        try:
+            return "ok", self._read_upstream(run.ctx)
+        except Exception as exc:  # noqa: BLE001 - raised in the handler process as a JobqError
+            return "error", f"ctx.upstream could not be read: {_one_line(exc)}"
+
     def _spawn_answer(self, run: _Running, plan: _Plan) -> tuple[str, Any]:
         try:
             return "ids", self._spawn(run, plan)
