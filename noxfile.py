@@ -297,10 +297,10 @@ def single(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """ruff check on everything in the repository, mypy on the package and the dashboard."""
+    """ruff check on everything in the repository, mypy on the package, the dashboard and the scenarios."""
     session.install("ruff", "mypy", "SQLAlchemy>=2.0")
     session.run("ruff", "check", "jobq", "jobq_web.py", "packaging", "tests", "bench", "scenarios", "docs", "noxfile.py")
-    session.run("mypy", "jobq", "jobq_web.py", "packaging/single_file.py")
+    session.run("mypy", "jobq", "jobq_web.py", "packaging/single_file.py", "scenarios")
 
 
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"]
