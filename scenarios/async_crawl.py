@@ -7,7 +7,10 @@ What this shows:
     * a stuck coroutine really stopped by its timeout (its task is cancelled) and retried,
     * the same queue functions as the sync API (`await jobq.aio.stats(...)`).
 
-Run (needs `pip install sqlalchemy[asyncio] aiosqlite`; psycopg 3 is async too):
+It ends with a verdict line (exit status 1 if the run did not show it).
+
+Run (needs jobq's asyncio extra, `pip install 'jobq[asyncio]'`; without it the script says so in one
+line and exits 2):
     python scenarios/async_crawl.py                     # SQLite (aiosqlite) in a temp directory
     python scenarios/async_crawl.py --url postgresql+psycopg://postgres@127.0.0.1/test
 """

@@ -7,6 +7,8 @@ What this shows:
       while the finished job has none (``jobq.attempts``, ``jobq show``);
     * at-least-once: the handler ran twice, the result was written once.
 
+It ends with a verdict line (exit status 1 if the run did not show it).
+
 Run:
     python scenarios/crash_recover.py                      # SQLite file in a temp directory
     python scenarios/crash_recover.py --url postgresql+psycopg://postgres@127.0.0.1/test

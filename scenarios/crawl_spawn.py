@@ -13,6 +13,8 @@ What this shows:
       ctx.enqueue returns the first one's id. A key is free again once its job is done, so a
       page also skips the pages on its own path (carried in args): the links back up the tree.
 
+It ends with a verdict line (exit status 1 if the run did not show it).
+
 Run:
     python scenarios/crawl_spawn.py                 # SQLite in a temp directory
     python scenarios/crawl_spawn.py --url postgresql+psycopg://postgres@127.0.0.1/test

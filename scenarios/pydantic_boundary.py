@@ -8,8 +8,10 @@ What this shows:
       doing any work (enqueued here with max_attempts=1: a retry would not make it valid).
 jobq.py itself never imports Pydantic: this lives in your code.
 
+It ends with a verdict line (exit status 1 if the run did not show it).
+
 Run:
-    python scenarios/pydantic_boundary.py                  # needs: pip install 'pydantic>=2'
+    python scenarios/pydantic_boundary.py                  # needs: pip install 'pydantic>=2' (else: exit 2)
     python scenarios/pydantic_boundary.py --url postgresql+psycopg://postgres@127.0.0.1/test
 """
 

@@ -5,6 +5,8 @@ What this shows:
     * a Worker with a global cap running handlers in dependency order,
     * a failing job retried, and what `jobq.get` tells you afterwards.
 
+It ends with a verdict line (exit status 1 if the run did not show it).
+
 Run:
     python scenarios/quickstart.py                      # SQLite file in a temp directory
     python scenarios/quickstart.py --url postgresql+psycopg://postgres@127.0.0.1/test
