@@ -129,6 +129,17 @@ def test_every_shell_block_runs_in_a_test_or_says_why_not() -> None:
     assert stale == []
 
 
+def test_every_other_block_is_output_or_marked_not_run() -> None:
+    """Besides Python and shell blocks (above), a page may show output (```text); a block in
+    any other language (SQL, a config file) is marked ``<!-- not run: why -->``."""
+    unmarked = []
+    for page in PAGES:
+        text = page.read_text()
+        for lang in sorted(set(re.findall(r"^```(\w+)", text, flags=re.M)) - {"python", "sh", "bash", "console", "shell", "text"}):
+            unmarked += [f"{page.relative_to(ROOT)}:{line} {lang}" for line, _, marked in fenced_blocks(text, lang) if not marked]
+    assert unmarked == []
+
+
 def test_the_quick_start_page_is_the_readmes() -> None:
     text = (ROOT / "docs" / "getting-started" / "quickstart.md").read_text()
     assert f"```sh\n{QUICK_START}```" in text
