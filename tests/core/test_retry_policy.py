@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 import jobq
 from dbs import async_url
-from helpers import FAST, expire_leases, wait_for
+from helpers import FAST, expire_leases, no_deadline_for_the_retry, wait_for
 
 
 def _history(engine: sa.Engine, job_id: int) -> list[tuple[int, str]]:
@@ -75,6 +76,36 @@ def test_no_retry_in_an_async_worker(engine: sa.Engine, db_url: str) -> None:
 
     assert asyncio.run(main())
     _check_failed_once(engine, job, dependent)
+
+
+def test_a_late_no_retry_after_a_timeout_does_not_fail_the_job(engine: sa.Engine) -> None:
+    """Attempt 1 runs past its timeout (ignoring the stop request), attempt 2 succeeds, and only
+    then does attempt 1 raise NoRetry: the timeout was written as a retry, the late NoRetry is
+    discarded with the abandoned dispatch, the job ends done. The bug: a NoRetry from a dispatch
+    that no longer holds the lease failing the job (or its retry)."""
+    release = threading.Event()
+
+    def slow(ctx: jobq.JobContext) -> dict[str, int]:
+        if ctx.attempt == 1:
+            release.wait(30)  # a stuck call that ignores ctx.stop_requested
+            raise jobq.NoRetry("too late to matter")
+        return {"attempt": ctx.attempt}
+
+    def on_event(ev: jobq.Event) -> None:
+        if ev.action == "timed_out":
+            no_deadline_for_the_retry(engine, ev.job_id)
+        if ev.action == "finished":
+            release.set()  # attempt 2 is written: now attempt 1 raises, late
+
+    job = jobq.enqueue(engine, "slow", timeout=0.3, max_attempts=2)
+    w = jobq.Worker(engine, {"slow": slow}, max_concurrency=2, on_event=on_event, **FAST)
+    try:
+        assert w.run_until_idle(timeout=60)
+    finally:
+        release.set()
+    info = jobq.get(engine, job)
+    assert info is not None and (info.state, info.attempts, info.result) == ("done", 2, {"attempt": 2}), info
+    assert _history(engine, job) == [(1, "timeout"), (2, "done")]
 
 
 def test_an_ordinary_error_is_still_retried(engine: sa.Engine) -> None:
