@@ -296,7 +296,8 @@ def enqueue(
         container: make a container: it never runs, and is done when all its children are done
             (failed when any child failed, once all are finished).
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
-        max_attempts: how many times the job may be dispatched (1-1000).
+        max_attempts: how many times the job may be dispatched (1-1000; default 3, or the
+            ``attempts`` of its handler's :class:`RetryPolicy` when one sets them).
         timeout: seconds one dispatch may run before it is timed out (None: the worker default).
         priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
             default 0); ties go to the oldest due, then the lowest id. It never overrides fair

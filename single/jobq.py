@@ -5664,7 +5664,8 @@ def enqueue(
         container: make a container: it never runs, and is done when all its children are done
             (failed when any child failed, once all are finished).
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
-        max_attempts: how many times the job may be dispatched (1-1000).
+        max_attempts: how many times the job may be dispatched (1-1000; default 3, or the
+            ``attempts`` of its handler's :class:`RetryPolicy` when one sets them).
         timeout: seconds one dispatch may run before it is timed out (None: the worker default).
         priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
             default 0); ties go to the oldest due, then the lowest id. It never overrides fair
@@ -8168,7 +8169,9 @@ class Worker(_WorkerCore):
     Args:
         engine: the queue's Engine (``pool_pre_ping=True`` is advisable for servers).
         handlers: job type -> callable ``handler(ctx) -> dict | None``. Only these types are
-            claimed; workers with different handler maps may share one database.
+            claimed; workers with different handler maps may share one database. A handler
+            decorated with a :class:`RetryPolicy` sets its type's attempts, back-off and retried
+            exceptions; one that raises :class:`NoRetry` fails its job at once.
         max_concurrency: the global cap: most jobs in flight across every worker on this
             database (enforced in the claim transaction). Also this worker's own limit, unless
             ``local_concurrency`` sets a lower one.
@@ -8184,7 +8187,7 @@ class Worker(_WorkerCore):
             A start is the claim, timed by the database clock under the claim lock (one extra
             round trip per claim while rate limits are set).
         retry_backoff: ``f(attempt) -> seconds`` before a failed job is retried (default
-            :func:`backoff`).
+            :func:`backoff`); a handler's :class:`RetryPolicy` that sets a back-off wins for its type.
         shutdown_timeout: seconds ``run()`` lets running handlers finish after a stop request
             before it releases their jobs back to ``ready``.
         executor: "thread" (default) runs handlers in threads; "process" runs each dispatch in
