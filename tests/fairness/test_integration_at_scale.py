@@ -73,6 +73,9 @@ def test_no_group_waits_more_than_g_minus_1_plus_s_grants_through_real_claims(en
 
 
 @pytest.mark.slow
+# About 160 claims and 10,000 committed releases: 120 s on 2 cores shared with other test runs,
+# the suite's default limit. The test judges claims, never time: a slow machine must not fail it.
+@pytest.mark.timeout(900)
 @only("sqlite")  # the thousands-of-groups soak; the bound itself is checked on every engine above
 def test_no_group_waits_more_than_g_minus_1_plus_s_grants_at_thousands_of_groups(engine: sa.Engine) -> None:
     """5,000 backlogged groups, 64 slots per claim, on SQLite (about 160 claims, each
