@@ -175,6 +175,16 @@ def test_testing_your_engine_names_every_table_the_suite_wipes() -> None:
     assert {t.name for t in jobq.Base.metadata.sorted_tables} <= named
 
 
+def test_observability_names_every_event_action_and_attempt_outcome() -> None:
+    """The guide lists the event actions and attempt outcomes; one added to jobq must be added there."""
+    import jobq
+
+    text = (ROOT / "docs" / "guides" / "observability.md").read_text()
+    named = set(re.findall(r"`(\w+)`", text))
+    assert set(jobq.EVENT_ACTIONS) <= named, set(jobq.EVENT_ACTIONS) - named
+    assert set(jobq.ATTEMPT_OUTCOMES) <= named, set(jobq.ATTEMPT_OUTCOMES) - named
+
+
 def test_layout_lists_every_scenario() -> None:
     text = (ROOT / "docs" / "internals" / "layout.md").read_text()
     for script in sorted((ROOT / "scenarios").glob("*.py")):
