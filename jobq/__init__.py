@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-outcomes -> jobs -> control -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> control -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -35,8 +35,10 @@ from .base import (
     JobqError,
     LeaseLost,
     NoRetry,
+    Snooze,
     UniqueKeyHeld,
     UnsupportedDatabase,
+    WaitTimeout,
 )
 from .base import __version__ as __version__
 from .claiming import CLAIM_WINDOW, ClaimedId, Lease, claim, claim_batch
@@ -51,6 +53,7 @@ from .policy import allocate, backoff, fair_share
 from .schema import ATTEMPT_OUTCOMES, SCHEMA_VERSION, START_LOG_RETENTION, STATES, TERMINAL, Base, Job, JobDep
 from .sql import ready_set
 from .validate import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_NAME_LENGTH
+from .waits import signal
 from .worker import Worker
 
 __all__ = [
@@ -83,11 +86,13 @@ __all__ = [
     "SQLITE_BUSY_TIMEOUT_MS",
     "START_LOG_RETENTION",
     "STATES",
+    "Snooze",
     "TERMINAL",
     "TX_RETRIES",
     "UNLIMITED",
     "UniqueKeyHeld",
     "UnsupportedDatabase",
+    "WaitTimeout",
     "Worker",
     "WorkerOptions",
     "aio",
@@ -115,6 +120,7 @@ __all__ = [
     "retry",
     "set_group",
     "set_limit",
+    "signal",
     "stats",
     "submit",
     "tick",
@@ -141,12 +147,13 @@ from . import (
     schema,
     sql,
     validate,
+    waits,
     worker,
 )
 
 #: The modules in import order: each imports only from those before it.
 _MODULES: tuple[types.ModuleType, ...] = (base, engines, schema, sql, fastpath, drivers, migrations, policy, validate,
-                                          claim_sql, limits, claiming, outcomes, jobs, control, context, worker, asyncworker,
+                                          claim_sql, limits, claiming, waits, outcomes, jobs, control, context, worker, asyncworker,
                                           cli)
 
 

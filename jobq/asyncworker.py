@@ -4,12 +4,12 @@ SQLAlchemy's greenlet bridge."""
 from __future__ import annotations
 
 import functools
-import signal
+import signal as _os_signal
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
-from .base import ConfigError
+from .base import ConfigError, _Unwind
 from .claiming import claim, claim_batch
 from .context import JobContext, WorkerOptions, _check_worker_target, _error_outcome, _Running
 from .control import cancel, prune, retry, stats, tick, why
@@ -19,6 +19,7 @@ from .jobs import attempts, create_schema, enqueue, get, submit
 from .limits import get_group, get_limit, groups, set_group, set_limit
 from .outcomes import fail, finalize, heartbeat, reclaim, release
 from .validate import _type_name
+from .waits import signal
 from .worker import _WorkerCore
 
 # Nothing here has SQL or rules of its own. Each async function runs its sync twin, unchanged,
@@ -29,12 +30,12 @@ from .worker import _WorkerCore
 
 _ASYNC_TWINS = ("attempts", "cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get",
                 "get_group", "get_limit", "groups", "heartbeat", "prune", "reclaim", "release", "retry", "set_group",
-                "set_limit", "stats", "submit", "tick", "why")
+                "set_limit", "signal", "stats", "submit", "tick", "why")
 
 
 #: The sync function each async twin runs.
 _SYNC: dict[str, Callable[..., Any]] = {fn.__name__: fn for fn in (
-    attempts, cancel, claim, claim_batch, create_schema, enqueue, fail, finalize, get, get_group, get_limit, groups, heartbeat, prune, reclaim, release, retry, set_group, set_limit, stats, submit, tick, why)}
+    attempts, cancel, claim, claim_batch, create_schema, enqueue, fail, finalize, get, get_group, get_limit, groups, heartbeat, prune, reclaim, release, retry, set_group, set_limit, signal, stats, submit, tick, why)}
 
 
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
@@ -194,7 +195,7 @@ class AsyncWorker(_WorkerCore):
         hb = self._loop.create_task(self._heartbeats(self._hb_stop))
         restore: list[Callable[[], Any]] = [hb.cancel, self._hb_stop.set]
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (_os_signal.SIGTERM, _os_signal.SIGINT):
                 try:
                     self._loop.add_signal_handler(sig, self.stop)
                     restore.append(functools.partial(self._loop.remove_signal_handler, sig))
@@ -238,6 +239,8 @@ class AsyncWorker(_WorkerCore):
             kind, payload = self._check_result(value)
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
+        except _Unwind as unwind:  # ctx.wait_for/sleep/sleep_until or Snooze: written as a suspension
+            kind, payload = "suspend", unwind.intent
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
             kind, payload = _error_outcome(exc, self._policies.get(run.lease.type))
         self._tasks.pop(run.key, None)

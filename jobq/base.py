@@ -36,6 +36,8 @@ EVENT_ACTIONS = (
     "timed_out",
     "released",
     "cancelled",
+    "suspended",
+    "snoozed",
     "db_error",
 )
 
@@ -199,3 +201,76 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     spawns with unique keys: the keys looked up, their holders locked, before the insert,
     inside its transaction; job_ids are the holders found).
     """
+
+
+class WaitTimeout(JobqError):
+    """``ctx.wait_for(key, timeout)``: no signal of the key came before the timeout.
+
+    Raised by the re-run of the handler that waited, at that same ``wait_for`` call, and by
+    every later re-run's: once a wait has timed out, a signal that comes later does not change
+    what it answers.
+
+    Attributes:
+        key: the signal key waited for.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no signal {key!r} came before the wait's timeout")
+        self.key = key
+
+
+@dataclasses.dataclass(frozen=True)
+class _Suspension:
+    """What a suspending handler asks for (carried by _Unwind, through a handler process's pipe
+    too): kind "signal" (``name`` the key), "sleep" (a relative ctx.sleep: ``name``), "until"
+    (ctx.sleep_until) or "snooze"; ``until`` the wake-up (naive UTC, database clock; None: only
+    a signal wakes it), ``since`` when the wait began, ``delay`` and ``limit`` a snooze's."""
+
+    kind: str
+    name: str = ""
+    until: _dt.datetime | None = None
+    since: _dt.datetime | None = None
+    delay: float = 0.0
+    limit: int = 0
+
+
+class _Unwind(BaseException):  # noqa: N818 - not an error: the way out of a suspending handler
+    """Ends a dispatch so that the job runs again later, without charging an attempt. A
+    BaseException, so that a handler's ``except Exception`` cannot swallow it; the worker that
+    catches it writes the suspension (fenced by the lease, like a finalize)."""
+
+    def __init__(self, intent: _Suspension) -> None:
+        super().__init__(intent.kind)
+        self.intent = intent
+
+
+class Snooze(_Unwind):
+    """Raise ``jobq.Snooze(seconds)`` in a handler to run the job again after ``seconds``,
+    without charging an attempt (its checkpoint is kept; its spawned jobs are discarded, as
+    with any end other than a result).
+
+    A job may snooze at most ``limit`` times over its life (default ``Snooze.DEFAULT_LIMIT``,
+    100): the snooze after that fails the job (as a final failure: its dependents fail too)
+    with an error saying so, so that a job that snoozes forever ends. Like every suspension
+    it is a ``BaseException``: a handler's ``except Exception`` does not catch it.
+
+    Args:
+        seconds: the delay, a finite number of seconds >= 0.
+        limit: the most snoozes this job may make (an int >= 1); the count is the job's.
+
+    Raises:
+        ValueError: a bad ``seconds`` or ``limit`` (raised where Snooze is made).
+    """
+
+    #: The snoozes a job may make when ``limit`` is not given.
+    DEFAULT_LIMIT = 100
+
+    def __init__(self, seconds: float, *, limit: int | None = None) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1000 * 366 * 86400:
+            raise ValueError(f"Snooze seconds must be a number of seconds in 0 .. 366000 days, got {seconds!r}")
+        limit = self.DEFAULT_LIMIT if limit is None else limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 2**31 - 1:
+            raise ValueError(f"Snooze limit must be an int >= 1, got {limit!r}")
+        super().__init__(_Suspension("snooze", delay=float(seconds), limit=limit))
+        self.seconds = float(seconds)
+        self.limit = limit

@@ -7,7 +7,7 @@ import dataclasses
 import datetime as _dt
 import functools
 import os
-import signal
+import signal as _os_signal
 import socket
 import sys
 import threading
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, NoRetry, _utcnow
+from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, NoRetry, WaitTimeout, _Unwind, _utcnow
 from .claiming import Lease, _check_rate_limits
 from .drivers import _local_clock, _prepare
 from .jobs import _JOB_FIELD_NAMES, _ONE, _Plan, _plan
@@ -37,6 +37,7 @@ from .validate import (
     _check_number,
     _check_seconds,
     _encode_checked,
+    _to_db_time,
     _type_name,
 )
 
@@ -79,6 +80,11 @@ class JobContext:
         #: Reads the upstreams' results (ctx.upstream): set by the runner, called on first access only.
         self._read_upstream: Callable[[JobContext], dict[int, Any]] | None = None
         self._upstream: Mapping[int, Any] | None = None
+
+        #: Answers a wait (waits._wait_answer) for this dispatch: the worker's transaction, or a
+        #: call through the pipe to it from a handler process.
+        self._waits: Callable[[tuple[Any, ...]], tuple[str, Any]] | None = None
+        self._sleeps = 0  # ctx.sleep calls without a name in this dispatch: the next one's number
 
     @property
     def upstream(self) -> Mapping[int, Any]:
@@ -224,6 +230,86 @@ class JobContext:
         """
         return self._spawn(_plan(jobs, single=False))
 
+    def wait_for(self, key: str, timeout: float | None = None) -> Any:
+        """Wait for the signal ``key`` (sent with :func:`jobq.signal`) without holding a slot.
+
+        If the signal was sent (before this job waited, or while it was suspended), return its
+        payload at once. Otherwise the dispatch suspends: the handler is unwound (by a
+        ``BaseException``, which ``except Exception`` does not catch; let it pass), the lease
+        and the slot are released, the checkpoint is kept and no attempt is charged. The job
+        runs again from the top when the signal comes, and this call then returns the payload.
+        Code before it runs again on every re-run: keep it idempotent, or behind a checkpoint.
+
+        Args:
+            key: the signal's name, 1-200 characters.
+            timeout: seconds from the first wait for this key by this job (a re-run keeps that
+                deadline); None waits for ever.
+
+        Returns:
+            The signal's payload (any JSON value).
+
+        Raises:
+            WaitTimeout: in the re-run after the timeout passed with no signal (and in every
+                later re-run: a signal sent after the timeout is not seen by this job).
+            InvalidJob: a bad key or timeout.
+            LeaseLost: this dispatch no longer holds the job's lease.
+        """
+        key = _check_name(key, "signal key")
+        if timeout is not None:
+            timeout = _check_number(timeout, "wait_for timeout", 0, _MAX_DELAY)
+        kind, value = self._wait(("signal", key, timeout))
+        if kind == "value":
+            return value
+        if kind == "timeout":
+            raise WaitTimeout(key)
+        raise _Unwind(value)
+
+    def sleep_until(self, when: _dt.datetime) -> None:
+        """Suspend until ``when`` (an aware datetime, by the database's clock) without holding a
+        slot; return at once when it has passed. The dispatch suspends as in :meth:`wait_for`
+        (lease and slot released, checkpoint kept, no attempt charged); the job runs again from
+        the top at ``when``, where this call returns at once.
+
+        Raises:
+            InvalidJob: ``when`` is not an aware datetime within 1970 .. 9999.
+        """
+        until = _to_db_time(when, "sleep_until")
+        kind, value = self._wait(("until", until))
+        if kind == "suspend":
+            raise _Unwind(value)
+
+    def sleep(self, seconds: float, name: str | None = None) -> None:
+        """Suspend for ``seconds`` counted from this job's first call of this sleep, without
+        holding a slot (as :meth:`sleep_until`). The end is stored with the job, so a re-run
+        from the top (after the sleep, a retry or a crash) does not start it over: once passed,
+        this call returns at once, in that re-run and every later one.
+
+        Args:
+            seconds: how long, a finite number >= 0 (0 returns at once).
+            name: names the sleep within the job. Without it, the sleeps are told apart by
+                their order: the n-th nameless ``sleep`` of a dispatch is the n-th of every
+                re-run (a handler that sleeps in a different order on a re-run should name them).
+
+        Raises:
+            InvalidJob: a bad ``seconds`` or ``name``.
+        """
+        seconds = _check_number(seconds, "sleep seconds", 0, _MAX_DELAY)
+        if name is None:
+            name = f"#{self._sleeps}"
+            self._sleeps += 1
+        else:
+            name = _check_name(name, "sleep name")
+        kind, value = self._wait(("sleep", name, seconds))
+        if kind == "suspend":
+            raise _Unwind(value)
+
+    def _wait(self, op: tuple[Any, ...]) -> tuple[str, Any]:
+        # A worker's dispatch answers through its _Running (the spawner too): no callable made per job.
+        waits = self._waits or getattr(self._spawner, "wait", None)
+        if waits is None:
+            raise JobqError("waiting needs the context a Worker passes to its handler")
+        return waits(op)  # type: ignore[no-any-return]
+
     def _spawn(self, plan: _Plan) -> dict[str, int]:
         if self._spawner is None:
             raise JobqError("spawning needs the context a Worker passes to its handler")
@@ -271,6 +357,11 @@ class _Running:
         """The context's spawner (ctx.enqueue/submit): the worker inserts ``plan`` held under this
         dispatch's lease."""
         return self._worker._spawn(self, plan)  # type: ignore[no-any-return]
+
+    def wait(self, op: tuple[Any, ...]) -> tuple[str, Any]:
+        """The context's ctx.wait_for/sleep/sleep_until: the worker reads the wait under this
+        dispatch's lease."""
+        return self._worker._wait_op(self, op)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass
@@ -323,6 +414,15 @@ def _worker_id() -> str:
     return f"{socket.gethostname()[:80]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _pipe_wait(conn: Any, op: tuple[Any, ...]) -> tuple[str, Any]:
+    # In a handler process: the parent's handler thread reads the wait (one engine, one fence).
+    conn.send(("wait", op))
+    kind, value = conn.recv()
+    if kind == "raise":
+        raise value
+    return kind, value
+
+
 def _pipe_spawn(conn: Any, plan: _Plan) -> dict[str, int]:
     # In a handler process: the parent's handler thread spawns (one engine, one fence) and answers.
     conn.send(("spawn", plan))
@@ -359,7 +459,7 @@ def _die_with_worker(lifeline: Any) -> None:
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(_PR_SET_PDEATHSIG, _os_signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass  # no prctl: the lifeline alone
     threading.Thread(target=_end_at_eof, args=(lifeline,), name="jobq-lifeline", daemon=True).start()
@@ -370,7 +470,7 @@ def _end_at_eof(lifeline: Any) -> None:
         lifeline.recv_bytes()  # nothing is ever sent: this returns only at end of file
     except BaseException:  # noqa: BLE001,S110 - EOF, or a closed pipe: the worker is gone either way
         pass
-    kill = getattr(signal, "SIGKILL", None)
+    kill = getattr(_os_signal, "SIGKILL", None)
     if kill is not None:
         os.kill(os.getpid(), kill)
     os._exit(70)
@@ -387,9 +487,12 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
     ctx._report = lambda p: conn.send(("progress", p))
     ctx._spawner = functools.partial(_pipe_spawn, conn)
     ctx._read_upstream = functools.partial(_upstream_through_pipe, conn)
+    ctx._waits = functools.partial(_pipe_wait, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
+    except _Unwind as unwind:  # a suspension: the parent writes it
+        conn.send(("suspend", unwind.intent))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(_error_outcome(exc, _retry_policy_of(handler)))
 

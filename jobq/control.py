@@ -35,6 +35,7 @@ from .sql import (
     _q_delete_attempts,
     _q_delete_edges,
     _q_delete_jobs,
+    _q_delete_waits,
     _q_downstream,
     _q_expired_count,
     _q_finished_by_state,
@@ -390,6 +391,7 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
             if ids:
                 conn.execute(_q_delete_edges(ids))
                 conn.execute(_q_delete_attempts(ids))
+                conn.execute(_q_delete_waits(ids))
                 conn.execute(_q_delete_jobs(ids))
             return len(ids)
 

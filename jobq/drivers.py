@@ -22,7 +22,7 @@ from sqlalchemy.ext.compiler import compiles
 from .base import ConfigError, JobqError, UnsupportedDatabase, _utcnow, logger
 from .engines import _ENGINE_LABELS, _MIN_VERSIONS, _Engine, _engine_facts, _facts, _family
 from .fastpath import _await_only, _hot_rowcount, _hot_rows
-from .schema import _NAME, _UNIQUE_LIVE_WHERE, _c, _jobs
+from .schema import _NAME, _UNIQUE_LIVE_WHERE, _c, _jobs, _signals
 from .sql import (
     _Q_INSERT_JOB,
     _Q_NOTIFY,
@@ -32,6 +32,7 @@ from .sql import (
     _prebuilt,
     _q_db_now,
     _q_db_now_notify,
+    _q_insert_signal,
     _q_insert_values,
     _q_live_keys,
 )
@@ -183,6 +184,20 @@ class _Dialect(_Engine):
             if getattr(exc.orig, "args", (None,))[0] == 1062:  # ER_DUP_ENTRY: only this statement failed
                 return None
             raise
+
+    def insert_signal_key(self, conn: Connection, key: str, now: _dt.datetime) -> None:
+        """Make sure jobq_signals has a row for ``key`` (an awaited-only one, sent_at NULL, if
+        none): a concurrent insert of the key is waited for, never duplicated, and the
+        transaction stays usable."""
+        row = {"key": key, "payload": None, "sent_at": None, "created_at": now}
+        if self.on_conflict is not None:
+            conn.execute(self.on_conflict(_signals).on_conflict_do_nothing(index_elements=["key"]), row)
+            return
+        try:
+            conn.execute(_q_insert_signal(), row)  # MySQL/MariaDB: a duplicate fails only its statement
+        except sa.exc.IntegrityError as exc:
+            if getattr(exc.orig, "args", (None,))[0] != 1062:  # ER_DUP_ENTRY
+                raise
 
     def autoinc_step(self, conn: Connection) -> int:
         """How far apart the ids of one multi-row insert are (auto_increment_increment: 1 unless

@@ -96,6 +96,11 @@ def _step_5(conn: Connection, d: _Dialect) -> None:
         _autoincrement_jobs(conn)
 
 
+def _step_6(conn: Connection, d: _Dialect) -> None:
+    """5 -> 6: signals and waits (jobq_signals, jobq_waits), new tables made by create_all
+    before any step; nothing on the jobs table changes."""
+
+
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
     """3 -> 4 (issue 16): jobs.priority, and the ready index rebuilt with it (the claim's order
     within a group); jobs.unique_key with its unique index over unfinished rows (on MySQL/MariaDB
@@ -215,4 +220,5 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (3, _step_3, "jobs.closed_by"),
     (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
+    (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
 )

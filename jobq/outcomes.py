@@ -3,6 +3,7 @@ token), the DAG bookkeeping that settles its dependents, spawned jobs, and recla
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
 import time
@@ -74,6 +75,7 @@ from .validate import (
     _encode_checked,
     _type_name,
 )
+from .waits import _write_suspension
 
 # ---- heartbeat --------------------------------------------------------------------------------
 
@@ -171,6 +173,9 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         elif o.kind == "release":
             n = conn.execute(_q_release(o.job_id, o.owner, o.token, now)).rowcount
             state = "ready"
+        elif o.kind == "suspend":
+            n, state, as_ended = _write_suspension(conn, d, o, now)
+            o = dataclasses.replace(o, ended=as_ended)
         else:
             state = "ready" if o.kind == "retry" else "failed"
             n = conn.execute(

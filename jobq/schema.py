@@ -26,7 +26,7 @@ from .engines import _ID, _JSONCOL, _NAME, _TEXT, _TS, _facts, _when
 #             finalize that commits the spawner's result releases it to waiting/ready; every
 #             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -277,11 +277,49 @@ _groups = sa.Table(
     mariadb_engine="InnoDB",
 )
 
+# Signals (schema 6): one row per key. ``sent_at`` is NULL while the key is only awaited: a
+# waiter inserts the row so that it and signal() lock the same row, whichever comes first
+# (see waits._lock_key). The first signal of a key is kept: every waiter reads its payload.
+_signals = sa.Table(
+    "jobq_signals",
+    Base.metadata,
+    sa.Column("key", _NAME, primary_key=True),
+    sa.Column("payload", _JSONCOL, nullable=True),
+    sa.Column("sent_at", _TS, nullable=True),
+    sa.Column("created_at", _TS, nullable=False),
+    mysql_engine="InnoDB",
+    mariadb_engine="InnoDB",
+)
+
+# What a job's handler waited for (schema 6), kept for the job's life so that a re-run from
+# the top finds its earlier waits: one row per (job, kind, name). kind "signal": name is the
+# key, ``waiting`` true while the job is suspended on it, ``until`` the timeout, ``resolved``
+# "timeout" once ctx.wait_for raised WaitTimeout (later re-runs raise it again). kind "sleep":
+# a relative ctx.sleep by its name, ``until`` its end. kind "snooze" (name ""): ``n`` counts
+# the job's snoozes. Written only by the lease holder's fenced transactions and by signal().
+_waits = sa.Table(
+    "jobq_waits",
+    Base.metadata,
+    sa.Column("job_id", _ID, primary_key=True),
+    sa.Column("kind", sa.String(16), primary_key=True),
+    sa.Column("name", _NAME, primary_key=True),
+    sa.Column("waiting", sa.Boolean, nullable=False),
+    sa.Column("since", _TS, nullable=False),
+    sa.Column("until", _TS, nullable=True),
+    sa.Column("resolved", sa.String(16), nullable=True),
+    sa.Column("n", sa.Integer, nullable=False, server_default="0"),
+    sa.Index("ix_jobq_waits_key", "kind", "name", "waiting"),
+    mysql_engine="InnoDB",
+    mariadb_engine="InnoDB",
+)
+
 #: How an attempt ended, as :func:`attempts` reports it: ``done``; ``failed`` (the handler
 #: raised or its result was refused); ``timeout`` (the dispatch timeout fired); ``reclaimed``
 #: (its lease expired: the worker died, stalled or lost the database); ``released`` (given
-#: back unfinished at shutdown, not charged); ``cancelled`` (cancelled while it ran).
-ATTEMPT_OUTCOMES = ("done", "failed", "timeout", "reclaimed", "released", "cancelled")
+#: back unfinished at shutdown, not charged); ``cancelled`` (cancelled while it ran);
+#: ``suspended`` (the handler waits for a signal or sleeps, not charged); ``snoozed`` (the
+#: handler raised :class:`Snooze`, not charged).
+ATTEMPT_OUTCOMES = ("done", "failed", "timeout", "reclaimed", "released", "cancelled", "suspended", "snoozed")
 
 #: How long job starts are remembered: rate-limit periods may be at most this long.
 START_LOG_RETENTION = _dt.timedelta(hours=24)

@@ -29,8 +29,10 @@ from .schema import (
     _groups,
     _jobs,
     _meta,
+    _signals,
     _slots,
     _starts,
+    _waits,
 )
 
 if TYPE_CHECKING:
@@ -714,13 +716,14 @@ class _Outcome:
     job_id: int
     owner: str | None
     token: str | None
-    kind: str  # "done" | "retry" | "failed" | "release"
+    kind: str  # "done" | "retry" | "failed" | "release" | "suspend"
     result: Any = None
     error: str | None = None
     delay: float = 0.0  # seconds before a retry may run
     parent_id: int | None = -1  # the job's container if the caller knows it (-1: look it up)
     ended: str | None = None  # the attempt's outcome in its history when a failure is more specific ("timeout")
     spawned: bool = False  # the dispatch may have held spawns: release them with "done", else discard
+    wait: Any = None  # "suspend": the base._Suspension the handler asked for
 
 
 def _fence(job_id: int, owner: str | None, token: str | None, *, cancelled: bool = False) -> list[sa.ColumnElement[bool]]:
@@ -862,6 +865,10 @@ def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]]
     return _q_record_ended(d, ended, now), None
 
 
+#: History outcomes of attempts the claim counted and the write gave back (not charged).
+_GIVEN_BACK = ("released", "suspended", "snoozed")
+
+
 def _q_record_ended(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime) -> sa.Insert:
     """One history row per attempt just ended by this transaction's fenced writes, (job id,
     outcome, worker id) each, as one INSERT ... SELECT: the attempt number, start and error
@@ -874,8 +881,8 @@ def _q_record_ended(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], n
             return sa.literal(next(iter(values.values())), type_)
         return sa.case({i: sa.literal(v, type_) for i, v in values.items()}, value=_c.id)
 
-    released = [i for i, o, _w in ended if o == "released"]
-    silent = [i for i, o, _w in ended if o in ("done", "released")]
+    released = [i for i, o, _w in ended if o in _GIVEN_BACK]
+    silent = [i for i, o, _w in ended if o in ("done", *_GIVEN_BACK)]
     attempt: Any = _c.attempts if not released else sa.case((_c.id.in_(released), _c.attempts + 1), else_=_c.attempts)
     error: Any = _c.error if not silent else sa.case((_c.id.in_(silent), sa.null()), else_=_c.error)
     rows = sa.select(_c.id, attempt, per_row({i: w for i, _o, w in ended}, sa.String(200)), _c.started_at,
@@ -1089,6 +1096,73 @@ def _q_delete_attempts(ids: Sequence[int]) -> sa.Delete:
 
 def _q_delete_jobs(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_jobs).where(_c.id.in_(ids))
+
+
+# ---- signals and waits (waits.py) ------------------------------------------------------------
+
+_sg = _signals.c
+_wc = _waits.c
+
+
+def _q_signal(key: str) -> sa.Select[Any]:
+    return sa.select(_sg.payload, _sg.sent_at).where(_sg.key == key)
+
+
+def _q_insert_signal() -> sa.Insert:
+    return sa.insert(_signals)
+
+
+def _q_lock_signal(d: _Dialect, key: str) -> sa.Select[Any]:
+    # The key's row, locked: a waiter's suspension and signal() of one key serialise on it.
+    stmt = _q_signal(key)
+    return stmt.with_for_update() if d.row_locks else stmt
+
+
+def _q_send_signal(key: str, payload: Any, now: _dt.datetime) -> sa.Update:
+    # Only the first signal of a key is kept (an awaited-only row has sent_at NULL).
+    return sa.update(_signals).where(_sg.key == key, _sg.sent_at.is_(None)).values(payload=payload, sent_at=now)
+
+
+def _q_waiters(key: str) -> sa.Select[Any]:
+    return sa.select(_wc.job_id).where(_wc.kind == "signal", _wc.name == key, _wc.waiting == _TRUE).order_by(_wc.job_id)
+
+
+def _q_wake(ids: Sequence[int], now: _dt.datetime) -> sa.Update:
+    # A suspended job is ready and not yet due; a signal makes it due now (never later).
+    return (_update_jobs().where(_c.id.in_(ids), _state_is("ready"), _c.run_after > now)
+            .values(run_after=now, updated_at=now))
+
+
+def _q_stop_waiting(key: str) -> sa.Update:
+    return sa.update(_waits).where(_wc.kind == "signal", _wc.name == key, _wc.waiting == _TRUE).values(waiting=False)
+
+
+def _q_wait_row(job_id: int, kind: str, name: str) -> sa.Select[Any]:
+    return sa.select(_wc.waiting, _wc.since, _wc.until, _wc.resolved, _wc.n).where(
+        _wc.job_id == job_id, _wc.kind == kind, _wc.name == name)
+
+
+def _q_insert_wait() -> sa.Insert:
+    return sa.insert(_waits)
+
+
+def _q_update_wait(job_id: int, kind: str, name: str, values: Mapping[str, Any]) -> sa.Update:
+    return sa.update(_waits).where(_wc.job_id == job_id, _wc.kind == kind, _wc.name == name).values(**values)
+
+
+def _q_suspend(job_id: int, owner: str | None, token: str | None, run_after: _dt.datetime, now: _dt.datetime
+               ) -> sa.Update:
+    # As _q_release (the attempt the claim counted is given back), due at ``run_after``.
+    return (
+        _update_jobs()
+        .where(*_fence(job_id, owner, token))
+        .values(state="ready", attempts=_c.attempts - 1, lease_token=None, run_after=run_after, updated_at=now,
+                **_CLEAR_LEASE)
+    )
+
+
+def _q_delete_waits(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_waits).where(_wc.job_id.in_(ids))
 
 
 # ---- shared expressions -----------------------------------------------------------------------

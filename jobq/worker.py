@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import os
-import signal
+import signal as _os_signal
 import threading
 import time
 from collections import deque
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _checkpoint, _chunks, _emit, logger
+from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _checkpoint, _chunks, _emit, _Unwind, logger
 from .claiming import Lease, _lease_rows
 from .context import (
     _BATCH_BYTES,
@@ -60,6 +60,7 @@ from .sql import (
     _q_upstream_results,
 )
 from .validate import _MAX_DELAY, _encode_checked, _one_line, _type_name
+from .waits import _wait_answer
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(WorkerOptions))
 
@@ -410,6 +411,11 @@ class _WorkerCore:
         run.own = run.own.union(ids.values())
         return ids
 
+    def _wait_op(self, run: _Running, op: tuple[Any, ...]) -> tuple[str, Any]:
+        """A handler's ctx.wait_for/sleep/sleep_until (in its thread, or for a handler process here)."""
+        lease = run.lease
+        return _transaction(self.engine, lambda conn, d: _wait_answer(conn, d, lease.id, lease.token, op))
+
     @staticmethod
     def _check_result(value: Any) -> tuple[str, Any]:
         try:
@@ -490,6 +496,9 @@ class _WorkerCore:
                 continue
             if kind == "ok":
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "done", result=payload,
+                                             parent_id=lease.parent_id, spawned=run.spawned))
+            elif kind == "suspend":
+                out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "suspend", wait=payload,
                                              parent_id=lease.parent_id, spawned=run.spawned))
             else:
                 retry = kind == "error" and lease.attempt < lease.max_attempts
@@ -607,6 +616,9 @@ class _WorkerCore:
                 _emit(self.options.on_event, ev("cancelled"))
             elif kind == "ok":
                 _emit(self.options.on_event, ev("finished"))
+            elif kind == "suspend":
+                action = "failed" if written == "failed" else "snoozed" if payload.kind == "snooze" else "suspended"
+                _emit(self.options.on_event, ev(action, error="snoozed past its limit" if written == "failed" else None))
             else:
                 action = "retried" if kind == "error" and lease.attempt < lease.max_attempts else "failed"
                 _emit(self.options.on_event, ev(action, error=_one_line(payload)))
@@ -961,13 +973,13 @@ class Worker(_WorkerCore):
 
         watcher = threading.Thread(target=watch, name="jobq-signals", daemon=True)
         watcher.start()
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: _os_signal.getsignal(s) for s in (_os_signal.SIGTERM, _os_signal.SIGINT)}
         for s in previous:
-            signal.signal(s, on_signal)
+            _os_signal.signal(s, on_signal)
 
         def restore() -> None:
             for s, h in previous.items():
-                signal.signal(s, h)
+                _os_signal.signal(s, h)
             os.set_blocking(w, True)
             os.write(w, b"x")  # the watcher's last byte
             watcher.join()
@@ -1070,6 +1082,8 @@ class Worker(_WorkerCore):
         try:
             value = self.handlers[run.lease.type](run.ctx)
             return self._check_result(value)
+        except _Unwind as unwind:  # ctx.wait_for/sleep/sleep_until or Snooze: written as a suspension
+            return "suspend", unwind.intent
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a handler thread is a failure, never success
             return _error_outcome(exc, self._policies.get(run.lease.type))
 
@@ -1113,6 +1127,9 @@ class Worker(_WorkerCore):
                     elif msg[0] == "upstream":
                         recv.send(self._upstream_answer(run))
                         msg = None
+                    elif msg[0] == "wait":
+                        recv.send(self._wait_answer_for_child(run, msg[1]))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -1120,6 +1137,8 @@ class Worker(_WorkerCore):
                 kind, payload = "error", f"handler process died (exit code {proc.exitcode})"
             elif msg[0] == "ok":
                 kind, payload = self._check_result(msg[1])
+            elif msg[0] == "suspend":
+                kind, payload = "suspend", msg[1]
             else:  # "error", or "fatal" (not to be retried: _error_outcome in the handler's process)
                 kind, payload = ("fatal" if msg[0] == "fatal" else "error"), msg[1]
         except BaseException as exc:  # noqa: BLE001
@@ -1145,6 +1164,14 @@ class Worker(_WorkerCore):
             return "ok", self._read_upstream(run.ctx)
         except Exception as exc:  # noqa: BLE001 - raised in the handler process as a JobqError
             return "error", f"ctx.upstream could not be read: {_one_line(exc)}"
+
+    def _wait_answer_for_child(self, run: _Running, op: tuple[Any, ...]) -> tuple[str, Any]:
+        try:
+            return self._wait_op(run, op)
+        except JobqError as exc:
+            return "raise", exc
+        except Exception as exc:  # noqa: BLE001 - a driver's error may not pickle: its text does
+            return "raise", JobqError(f"wait failed: {_one_line(exc)}")
 
     def _spawn_answer(self, run: _Running, plan: _Plan) -> tuple[str, Any]:
         try:

@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-outcomes -> jobs -> control -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> control -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -35,7 +35,7 @@ import logging
 import math
 import os
 import random
-import signal
+import signal as _os_signal
 import socket
 import sys
 import threading
@@ -84,11 +84,13 @@ __all__ = [
     "SQLITE_BUSY_TIMEOUT_MS",
     "START_LOG_RETENTION",
     "STATES",
+    "Snooze",
     "TERMINAL",
     "TX_RETRIES",
     "UNLIMITED",
     "UniqueKeyHeld",
     "UnsupportedDatabase",
+    "WaitTimeout",
     "Worker",
     "WorkerOptions",
     "aio",
@@ -116,6 +118,7 @@ __all__ = [
     "retry",
     "set_group",
     "set_limit",
+    "signal",
     "stats",
     "submit",
     "tick",
@@ -152,6 +155,8 @@ EVENT_ACTIONS = (
     "timed_out",
     "released",
     "cancelled",
+    "suspended",
+    "snoozed",
     "db_error",
 )
 
@@ -315,6 +320,79 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     spawns with unique keys: the keys looked up, their holders locked, before the insert,
     inside its transaction; job_ids are the holders found).
     """
+
+
+class WaitTimeout(JobqError):
+    """``ctx.wait_for(key, timeout)``: no signal of the key came before the timeout.
+
+    Raised by the re-run of the handler that waited, at that same ``wait_for`` call, and by
+    every later re-run's: once a wait has timed out, a signal that comes later does not change
+    what it answers.
+
+    Attributes:
+        key: the signal key waited for.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no signal {key!r} came before the wait's timeout")
+        self.key = key
+
+
+@dataclasses.dataclass(frozen=True)
+class _Suspension:
+    """What a suspending handler asks for (carried by _Unwind, through a handler process's pipe
+    too): kind "signal" (``name`` the key), "sleep" (a relative ctx.sleep: ``name``), "until"
+    (ctx.sleep_until) or "snooze"; ``until`` the wake-up (naive UTC, database clock; None: only
+    a signal wakes it), ``since`` when the wait began, ``delay`` and ``limit`` a snooze's."""
+
+    kind: str
+    name: str = ""
+    until: _dt.datetime | None = None
+    since: _dt.datetime | None = None
+    delay: float = 0.0
+    limit: int = 0
+
+
+class _Unwind(BaseException):  # noqa: N818 - not an error: the way out of a suspending handler
+    """Ends a dispatch so that the job runs again later, without charging an attempt. A
+    BaseException, so that a handler's ``except Exception`` cannot swallow it; the worker that
+    catches it writes the suspension (fenced by the lease, like a finalize)."""
+
+    def __init__(self, intent: _Suspension) -> None:
+        super().__init__(intent.kind)
+        self.intent = intent
+
+
+class Snooze(_Unwind):
+    """Raise ``jobq.Snooze(seconds)`` in a handler to run the job again after ``seconds``,
+    without charging an attempt (its checkpoint is kept; its spawned jobs are discarded, as
+    with any end other than a result).
+
+    A job may snooze at most ``limit`` times over its life (default ``Snooze.DEFAULT_LIMIT``,
+    100): the snooze after that fails the job (as a final failure: its dependents fail too)
+    with an error saying so, so that a job that snoozes forever ends. Like every suspension
+    it is a ``BaseException``: a handler's ``except Exception`` does not catch it.
+
+    Args:
+        seconds: the delay, a finite number of seconds >= 0.
+        limit: the most snoozes this job may make (an int >= 1); the count is the job's.
+
+    Raises:
+        ValueError: a bad ``seconds`` or ``limit`` (raised where Snooze is made).
+    """
+
+    #: The snoozes a job may make when ``limit`` is not given.
+    DEFAULT_LIMIT = 100
+
+    def __init__(self, seconds: float, *, limit: int | None = None) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1000 * 366 * 86400:
+            raise ValueError(f"Snooze seconds must be a number of seconds in 0 .. 366000 days, got {seconds!r}")
+        limit = self.DEFAULT_LIMIT if limit is None else limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 2**31 - 1:
+            raise ValueError(f"Snooze limit must be an int >= 1, got {limit!r}")
+        super().__init__(_Suspension("snooze", delay=float(seconds), limit=limit))
+        self.seconds = float(seconds)
+        self.limit = limit
 
 
 # ==============================================================================================
@@ -545,7 +623,7 @@ _TEXT = sa.Text().with_variant(_mysql.MEDIUMTEXT(), "mysql", "mariadb")
 #             finalize that commits the spawner's result releases it to waiting/ready; every
 #             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -795,11 +873,49 @@ _groups = sa.Table(
     mariadb_engine="InnoDB",
 )
 
+# Signals (schema 6): one row per key. ``sent_at`` is NULL while the key is only awaited: a
+# waiter inserts the row so that it and signal() lock the same row, whichever comes first
+# (see waits._lock_key). The first signal of a key is kept: every waiter reads its payload.
+_signals = sa.Table(
+    "jobq_signals",
+    Base.metadata,
+    sa.Column("key", _NAME, primary_key=True),
+    sa.Column("payload", _JSONCOL, nullable=True),
+    sa.Column("sent_at", _TS, nullable=True),
+    sa.Column("created_at", _TS, nullable=False),
+    mysql_engine="InnoDB",
+    mariadb_engine="InnoDB",
+)
+
+# What a job's handler waited for (schema 6), kept for the job's life so that a re-run from
+# the top finds its earlier waits: one row per (job, kind, name). kind "signal": name is the
+# key, ``waiting`` true while the job is suspended on it, ``until`` the timeout, ``resolved``
+# "timeout" once ctx.wait_for raised WaitTimeout (later re-runs raise it again). kind "sleep":
+# a relative ctx.sleep by its name, ``until`` its end. kind "snooze" (name ""): ``n`` counts
+# the job's snoozes. Written only by the lease holder's fenced transactions and by signal().
+_waits = sa.Table(
+    "jobq_waits",
+    Base.metadata,
+    sa.Column("job_id", _ID, primary_key=True),
+    sa.Column("kind", sa.String(16), primary_key=True),
+    sa.Column("name", _NAME, primary_key=True),
+    sa.Column("waiting", sa.Boolean, nullable=False),
+    sa.Column("since", _TS, nullable=False),
+    sa.Column("until", _TS, nullable=True),
+    sa.Column("resolved", sa.String(16), nullable=True),
+    sa.Column("n", sa.Integer, nullable=False, server_default="0"),
+    sa.Index("ix_jobq_waits_key", "kind", "name", "waiting"),
+    mysql_engine="InnoDB",
+    mariadb_engine="InnoDB",
+)
+
 #: How an attempt ended, as :func:`attempts` reports it: ``done``; ``failed`` (the handler
 #: raised or its result was refused); ``timeout`` (the dispatch timeout fired); ``reclaimed``
 #: (its lease expired: the worker died, stalled or lost the database); ``released`` (given
-#: back unfinished at shutdown, not charged); ``cancelled`` (cancelled while it ran).
-ATTEMPT_OUTCOMES = ("done", "failed", "timeout", "reclaimed", "released", "cancelled")
+#: back unfinished at shutdown, not charged); ``cancelled`` (cancelled while it ran);
+#: ``suspended`` (the handler waits for a signal or sleeps, not charged); ``snoozed`` (the
+#: handler raised :class:`Snooze`, not charged).
+ATTEMPT_OUTCOMES = ("done", "failed", "timeout", "reclaimed", "released", "cancelled", "suspended", "snoozed")
 
 #: How long job starts are remembered: rate-limit periods may be at most this long.
 START_LOG_RETENTION = _dt.timedelta(hours=24)
@@ -1516,13 +1632,14 @@ class _Outcome:
     job_id: int
     owner: str | None
     token: str | None
-    kind: str  # "done" | "retry" | "failed" | "release"
+    kind: str  # "done" | "retry" | "failed" | "release" | "suspend"
     result: Any = None
     error: str | None = None
     delay: float = 0.0  # seconds before a retry may run
     parent_id: int | None = -1  # the job's container if the caller knows it (-1: look it up)
     ended: str | None = None  # the attempt's outcome in its history when a failure is more specific ("timeout")
     spawned: bool = False  # the dispatch may have held spawns: release them with "done", else discard
+    wait: Any = None  # "suspend": the base._Suspension the handler asked for
 
 
 def _fence(job_id: int, owner: str | None, token: str | None, *, cancelled: bool = False) -> list[sa.ColumnElement[bool]]:
@@ -1664,6 +1781,10 @@ def _q_record_attempts(d: _Dialect, ended: Sequence[tuple[int, str, str | None]]
     return _q_record_ended(d, ended, now), None
 
 
+#: History outcomes of attempts the claim counted and the write gave back (not charged).
+_GIVEN_BACK = ("released", "suspended", "snoozed")
+
+
 def _q_record_ended(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], now: _dt.datetime) -> sa.Insert:
     """One history row per attempt just ended by this transaction's fenced writes, (job id,
     outcome, worker id) each, as one INSERT ... SELECT: the attempt number, start and error
@@ -1676,8 +1797,8 @@ def _q_record_ended(d: _Dialect, ended: Sequence[tuple[int, str, str | None]], n
             return sa.literal(next(iter(values.values())), type_)
         return sa.case({i: sa.literal(v, type_) for i, v in values.items()}, value=_c.id)
 
-    released = [i for i, o, _w in ended if o == "released"]
-    silent = [i for i, o, _w in ended if o in ("done", "released")]
+    released = [i for i, o, _w in ended if o in _GIVEN_BACK]
+    silent = [i for i, o, _w in ended if o in ("done", *_GIVEN_BACK)]
     attempt: Any = _c.attempts if not released else sa.case((_c.id.in_(released), _c.attempts + 1), else_=_c.attempts)
     error: Any = _c.error if not silent else sa.case((_c.id.in_(silent), sa.null()), else_=_c.error)
     rows = sa.select(_c.id, attempt, per_row({i: w for i, _o, w in ended}, sa.String(200)), _c.started_at,
@@ -1891,6 +2012,73 @@ def _q_delete_attempts(ids: Sequence[int]) -> sa.Delete:
 
 def _q_delete_jobs(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_jobs).where(_c.id.in_(ids))
+
+
+# ---- signals and waits (waits.py) ------------------------------------------------------------
+
+_sg = _signals.c
+_wc = _waits.c
+
+
+def _q_signal(key: str) -> sa.Select[Any]:
+    return sa.select(_sg.payload, _sg.sent_at).where(_sg.key == key)
+
+
+def _q_insert_signal() -> sa.Insert:
+    return sa.insert(_signals)
+
+
+def _q_lock_signal(d: _Dialect, key: str) -> sa.Select[Any]:
+    # The key's row, locked: a waiter's suspension and signal() of one key serialise on it.
+    stmt = _q_signal(key)
+    return stmt.with_for_update() if d.row_locks else stmt
+
+
+def _q_send_signal(key: str, payload: Any, now: _dt.datetime) -> sa.Update:
+    # Only the first signal of a key is kept (an awaited-only row has sent_at NULL).
+    return sa.update(_signals).where(_sg.key == key, _sg.sent_at.is_(None)).values(payload=payload, sent_at=now)
+
+
+def _q_waiters(key: str) -> sa.Select[Any]:
+    return sa.select(_wc.job_id).where(_wc.kind == "signal", _wc.name == key, _wc.waiting == _TRUE).order_by(_wc.job_id)
+
+
+def _q_wake(ids: Sequence[int], now: _dt.datetime) -> sa.Update:
+    # A suspended job is ready and not yet due; a signal makes it due now (never later).
+    return (_update_jobs().where(_c.id.in_(ids), _state_is("ready"), _c.run_after > now)
+            .values(run_after=now, updated_at=now))
+
+
+def _q_stop_waiting(key: str) -> sa.Update:
+    return sa.update(_waits).where(_wc.kind == "signal", _wc.name == key, _wc.waiting == _TRUE).values(waiting=False)
+
+
+def _q_wait_row(job_id: int, kind: str, name: str) -> sa.Select[Any]:
+    return sa.select(_wc.waiting, _wc.since, _wc.until, _wc.resolved, _wc.n).where(
+        _wc.job_id == job_id, _wc.kind == kind, _wc.name == name)
+
+
+def _q_insert_wait() -> sa.Insert:
+    return sa.insert(_waits)
+
+
+def _q_update_wait(job_id: int, kind: str, name: str, values: Mapping[str, Any]) -> sa.Update:
+    return sa.update(_waits).where(_wc.job_id == job_id, _wc.kind == kind, _wc.name == name).values(**values)
+
+
+def _q_suspend(job_id: int, owner: str | None, token: str | None, run_after: _dt.datetime, now: _dt.datetime
+               ) -> sa.Update:
+    # As _q_release (the attempt the claim counted is given back), due at ``run_after``.
+    return (
+        _update_jobs()
+        .where(*_fence(job_id, owner, token))
+        .values(state="ready", attempts=_c.attempts - 1, lease_token=None, run_after=run_after, updated_at=now,
+                **_CLEAR_LEASE)
+    )
+
+
+def _q_delete_waits(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_waits).where(_wc.job_id.in_(ids))
 
 
 # ---- shared expressions -----------------------------------------------------------------------
@@ -2370,6 +2558,20 @@ class _Dialect(_Engine):
             if getattr(exc.orig, "args", (None,))[0] == 1062:  # ER_DUP_ENTRY: only this statement failed
                 return None
             raise
+
+    def insert_signal_key(self, conn: Connection, key: str, now: _dt.datetime) -> None:
+        """Make sure jobq_signals has a row for ``key`` (an awaited-only one, sent_at NULL, if
+        none): a concurrent insert of the key is waited for, never duplicated, and the
+        transaction stays usable."""
+        row = {"key": key, "payload": None, "sent_at": None, "created_at": now}
+        if self.on_conflict is not None:
+            conn.execute(self.on_conflict(_signals).on_conflict_do_nothing(index_elements=["key"]), row)
+            return
+        try:
+            conn.execute(_q_insert_signal(), row)  # MySQL/MariaDB: a duplicate fails only its statement
+        except sa.exc.IntegrityError as exc:
+            if getattr(exc.orig, "args", (None,))[0] != 1062:  # ER_DUP_ENTRY
+                raise
 
     def autoinc_step(self, conn: Connection) -> int:
         """How far apart the ids of one multi-row insert are (auto_increment_increment: 1 unless
@@ -2915,6 +3117,11 @@ def _step_5(conn: Connection, d: _Dialect) -> None:
         _autoincrement_jobs(conn)
 
 
+def _step_6(conn: Connection, d: _Dialect) -> None:
+    """5 -> 6: signals and waits (jobq_signals, jobq_waits), new tables made by create_all
+    before any step; nothing on the jobs table changes."""
+
+
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
     """3 -> 4 (issue 16): jobs.priority, and the ready index rebuilt with it (the claim's order
     within a group); jobs.unique_key with its unique index over unfinished rows (on MySQL/MariaDB
@@ -3034,6 +3241,7 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (3, _step_3, "jobs.closed_by"),
     (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
+    (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
 )
 
 
@@ -4847,6 +5055,161 @@ def claim(engine: Engine, worker_id: str, ttl: float, *, types: Iterable[str] | 
 
 
 # ==============================================================================================
+# jobq/waits.py
+# ==============================================================================================
+# Jobs that wait without holding a slot: signals (signal), what a handler's ctx.wait_for,
+# ctx.sleep and ctx.sleep_until read, and the fenced write that suspends or snoozes a dispatch.
+#
+# A suspended job is ``ready`` and not yet due (its run_after is the wake-up; a wait without a
+# timeout is due at the end of time until its signal comes), with the attempt the claim counted
+# given back: the claim, the caps, the rate limits and fair share see it as they see a job
+# scheduled for later, which is to say not at all until it is due. What it waits for is in
+# jobq_waits, the signals in jobq_signals (schema.py).
+#
+# A waiter's suspension and signal() of the same key both lock that key's jobq_signals row first
+# (a waiter inserts an awaited-only row when there is none): whichever commits second sees the
+# other's rows, so a signal is never lost between the handler's read and its suspension.
+
+#: run_after of a job that waits for a signal with no timeout: only the signal makes it due.
+_NEVER = _MAX_TIME
+
+
+def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = None) -> bool:
+    """Send the signal ``key``: every job waiting for it in ``ctx.wait_for(key)`` becomes due
+    now, and every ``ctx.wait_for(key)`` from now on returns ``payload`` at once.
+
+    A signal is a fact, not a message: it is kept (until ``prune`` removes it), read by every
+    job that waits for its key, before or after it was sent, and only the first signal of a
+    key counts (a second one changes nothing and returns False: a webhook delivered twice
+    wakes nobody twice).
+
+    Args:
+        target: an Engine (jobq commits its own transaction) or a Connection/Session (the
+            signal is written in the caller's transaction and exists only if the caller
+            commits; waiting jobs wake at that commit).
+        key: the signal's name, 1-200 characters (as job types are).
+        payload: any JSON value (None, a number, a string, a list or an object), what
+            ``ctx.wait_for`` returns.
+
+    Returns:
+        True if this call recorded the signal; False if the key had been signalled already.
+
+    Raises:
+        InvalidJob: a bad key or payload; nothing is written.
+    """
+    key = _check_name(key, "signal key")
+    payload = _encode_checked(payload, "signal payload")
+
+    def run(conn: Connection, d: _Dialect) -> bool:
+        now = d.db_now(conn)
+        d.insert_signal_key(conn, key, now)
+        conn.execute(_q_lock_signal(d, key)).one()
+        if not conn.execute(_q_send_signal(key, payload, now)).rowcount:
+            return False
+        waiting = list(conn.execute(_q_waiters(key)).scalars())
+        if waiting:
+            conn.execute(_q_wake(waiting, now))
+            conn.execute(_q_stop_waiting(key))
+            d.notify(conn)
+        return True
+
+    if isinstance(target, Engine):
+        return _transaction(target, run)
+    d = _prepare(_engine_of(target))
+    return run(_target_connection(target), d)  # type: ignore[arg-type]
+
+
+# ---- what a handler's wait reads ------------------------------------------------------------
+
+
+def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tuple[Any, ...]) -> tuple[str, Any]:
+    """The answer to a handler's ctx.wait_for / ctx.sleep / ctx.sleep_until (``op``), read in
+    one transaction by the worker that holds the lease: ("value", payload), ("timeout",
+    None), ("return", None), or ("suspend", _Suspension) for the worker to write."""
+    now = d.db_now(conn)
+    kind = op[0]
+    if kind == "until":
+        until = op[1]
+        return ("return", None) if until <= now else ("suspend", _Suspension("until", until=until, since=now))
+    if kind == "sleep":
+        _, name, seconds = op
+        row = conn.execute(_q_wait_row(job_id, "sleep", name)).first()
+        if row is None:
+            if seconds <= 0:
+                return "return", None
+            return "suspend", _Suspension("sleep", name, until=now + _dt.timedelta(seconds=seconds), since=now)
+        if row.until is None or row.until <= now:
+            return "return", None
+        return "suspend", _Suspension("sleep", name, until=row.until, since=row.since)
+    _, key, timeout = op
+    row = conn.execute(_q_wait_row(job_id, "signal", key)).first()
+    if row is not None and row.resolved == "timeout":
+        return "timeout", None
+    sent = conn.execute(_q_signal(key)).first()
+    if sent is not None and sent.sent_at is not None:
+        return "value", sent.payload
+    since = row.since if row is not None else now
+    until = row.until if row is not None else (None if timeout is None else now + _dt.timedelta(seconds=timeout))
+    if until is None or until > now:
+        return "suspend", _Suspension("signal", key, until=until, since=since)
+    # Timed out: decided under the key's lock, so a signal either committed first (and wins)
+    # or comes after the timeout is recorded (and this job never reads it).
+    d.insert_signal_key(conn, key, now)
+    locked = conn.execute(_q_lock_signal(d, key)).one()
+    if locked.sent_at is not None:
+        return "value", locked.payload
+    if conn.execute(_q_held([job_id], token)).first() is None:
+        raise LeaseLost(f"job {job_id}: this dispatch no longer holds the lease; the wait's timeout was not recorded")
+    _put_wait(conn, job_id, "signal", key, row is not None, since=since, until=until, waiting=False, resolved="timeout")
+    return "timeout", None
+
+
+def _put_wait(conn: Connection, job_id: int, kind: str, name: str, exists: bool, **values: Any) -> None:
+    # Only the lease holder's transactions (and signal(), under the key's lock) write a job's
+    # rows, so a read-then-write cannot collide with another insert of the same row.
+    if exists:
+        conn.execute(_q_update_wait(job_id, kind, name, values))
+    else:
+        conn.execute(_q_insert_wait(), {"job_id": job_id, "kind": kind, "name": name, "n": 0, "waiting": False,
+                                        "until": None, "resolved": None, **values})
+
+
+# ---- the suspension's write -----------------------------------------------------------------
+
+
+def _write_suspension(conn: Connection, d: _Dialect, o: _Outcome, now: _dt.datetime) -> tuple[int, str, str]:
+    """Suspend (or snooze) one dispatch, fenced by its lease: the job back to ``ready``, due at
+    its wake-up, the attempt given back, what it waits for recorded. Returns (rows written,
+    state, history outcome); a snooze past its limit fails the job instead."""
+    w: _Suspension = o.wait
+    if w.kind == "snooze":
+        row = conn.execute(_q_wait_row(o.job_id, "snooze", "")).first()
+        count = 0 if row is None else row.n
+        if count >= w.limit:
+            error = (f"snoozed {count} times, its limit (Snooze limit={w.limit}): failed instead of snoozing again")
+            n = conn.execute(_q_fail(o.job_id, o.owner, o.token, state="failed", error=error, now=now,
+                                     run_after=None)).rowcount
+            return n, "failed", "failed"
+        n = conn.execute(_q_suspend(o.job_id, o.owner, o.token, now + _dt.timedelta(seconds=w.delay), now)).rowcount
+        if n:
+            _put_wait(conn, o.job_id, "snooze", "", row is not None, since=row.since if row else now, n=count + 1)
+        return n, "ready", "snoozed"
+    due = w.until
+    waiting = False
+    if w.kind == "signal":
+        d.insert_signal_key(conn, w.name, now)
+        sent = conn.execute(_q_lock_signal(d, w.name)).one().sent_at is not None
+        waiting = not sent
+        due = now if sent else (w.until or _NEVER)
+    assert due is not None
+    n = conn.execute(_q_suspend(o.job_id, o.owner, o.token, max(due, now) if w.kind == "signal" else due, now)).rowcount
+    if n and w.kind in ("signal", "sleep"):
+        exists = conn.execute(_q_wait_row(o.job_id, w.kind, w.name)).first() is not None
+        _put_wait(conn, o.job_id, w.kind, w.name, exists, since=w.since or now, until=w.until, waiting=waiting)
+    return n, "ready", "suspended"
+
+
+# ==============================================================================================
 # jobq/outcomes.py
 # ==============================================================================================
 # What happens to a leased job: heartbeat, finalize, fail and release (fenced by the lease
@@ -4948,6 +5311,9 @@ def _apply_outcomes(conn: Connection, d: _Dialect, outcomes: Sequence[_Outcome],
         elif o.kind == "release":
             n = conn.execute(_q_release(o.job_id, o.owner, o.token, now)).rowcount
             state = "ready"
+        elif o.kind == "suspend":
+            n, state, as_ended = _write_suspension(conn, d, o, now)
+            o = dataclasses.replace(o, ended=as_ended)
         else:
             state = "ready" if o.kind == "retry" else "failed"
             n = conn.execute(
@@ -6548,6 +6914,7 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
             if ids:
                 conn.execute(_q_delete_edges(ids))
                 conn.execute(_q_delete_attempts(ids))
+                conn.execute(_q_delete_waits(ids))
                 conn.execute(_q_delete_jobs(ids))
             return len(ids)
 
@@ -6878,6 +7245,11 @@ class JobContext:
         self._read_upstream: Callable[[JobContext], dict[int, Any]] | None = None
         self._upstream: Mapping[int, Any] | None = None
 
+        #: Answers a wait (waits._wait_answer) for this dispatch: the worker's transaction, or a
+        #: call through the pipe to it from a handler process.
+        self._waits: Callable[[tuple[Any, ...]], tuple[str, Any]] | None = None
+        self._sleeps = 0  # ctx.sleep calls without a name in this dispatch: the next one's number
+
     @property
     def upstream(self) -> Mapping[int, Any]:
         """The results of this job's direct upstreams (the jobs it depends on), by upstream job id.
@@ -7022,6 +7394,86 @@ class JobContext:
         """
         return self._spawn(_plan(jobs, single=False))
 
+    def wait_for(self, key: str, timeout: float | None = None) -> Any:
+        """Wait for the signal ``key`` (sent with :func:`jobq.signal`) without holding a slot.
+
+        If the signal was sent (before this job waited, or while it was suspended), return its
+        payload at once. Otherwise the dispatch suspends: the handler is unwound (by a
+        ``BaseException``, which ``except Exception`` does not catch; let it pass), the lease
+        and the slot are released, the checkpoint is kept and no attempt is charged. The job
+        runs again from the top when the signal comes, and this call then returns the payload.
+        Code before it runs again on every re-run: keep it idempotent, or behind a checkpoint.
+
+        Args:
+            key: the signal's name, 1-200 characters.
+            timeout: seconds from the first wait for this key by this job (a re-run keeps that
+                deadline); None waits for ever.
+
+        Returns:
+            The signal's payload (any JSON value).
+
+        Raises:
+            WaitTimeout: in the re-run after the timeout passed with no signal (and in every
+                later re-run: a signal sent after the timeout is not seen by this job).
+            InvalidJob: a bad key or timeout.
+            LeaseLost: this dispatch no longer holds the job's lease.
+        """
+        key = _check_name(key, "signal key")
+        if timeout is not None:
+            timeout = _check_number(timeout, "wait_for timeout", 0, _MAX_DELAY)
+        kind, value = self._wait(("signal", key, timeout))
+        if kind == "value":
+            return value
+        if kind == "timeout":
+            raise WaitTimeout(key)
+        raise _Unwind(value)
+
+    def sleep_until(self, when: _dt.datetime) -> None:
+        """Suspend until ``when`` (an aware datetime, by the database's clock) without holding a
+        slot; return at once when it has passed. The dispatch suspends as in :meth:`wait_for`
+        (lease and slot released, checkpoint kept, no attempt charged); the job runs again from
+        the top at ``when``, where this call returns at once.
+
+        Raises:
+            InvalidJob: ``when`` is not an aware datetime within 1970 .. 9999.
+        """
+        until = _to_db_time(when, "sleep_until")
+        kind, value = self._wait(("until", until))
+        if kind == "suspend":
+            raise _Unwind(value)
+
+    def sleep(self, seconds: float, name: str | None = None) -> None:
+        """Suspend for ``seconds`` counted from this job's first call of this sleep, without
+        holding a slot (as :meth:`sleep_until`). The end is stored with the job, so a re-run
+        from the top (after the sleep, a retry or a crash) does not start it over: once passed,
+        this call returns at once, in that re-run and every later one.
+
+        Args:
+            seconds: how long, a finite number >= 0 (0 returns at once).
+            name: names the sleep within the job. Without it, the sleeps are told apart by
+                their order: the n-th nameless ``sleep`` of a dispatch is the n-th of every
+                re-run (a handler that sleeps in a different order on a re-run should name them).
+
+        Raises:
+            InvalidJob: a bad ``seconds`` or ``name``.
+        """
+        seconds = _check_number(seconds, "sleep seconds", 0, _MAX_DELAY)
+        if name is None:
+            name = f"#{self._sleeps}"
+            self._sleeps += 1
+        else:
+            name = _check_name(name, "sleep name")
+        kind, value = self._wait(("sleep", name, seconds))
+        if kind == "suspend":
+            raise _Unwind(value)
+
+    def _wait(self, op: tuple[Any, ...]) -> tuple[str, Any]:
+        # A worker's dispatch answers through its _Running (the spawner too): no callable made per job.
+        waits = self._waits or getattr(self._spawner, "wait", None)
+        if waits is None:
+            raise JobqError("waiting needs the context a Worker passes to its handler")
+        return waits(op)  # type: ignore[no-any-return]
+
     def _spawn(self, plan: _Plan) -> dict[str, int]:
         if self._spawner is None:
             raise JobqError("spawning needs the context a Worker passes to its handler")
@@ -7069,6 +7521,11 @@ class _Running:
         """The context's spawner (ctx.enqueue/submit): the worker inserts ``plan`` held under this
         dispatch's lease."""
         return self._worker._spawn(self, plan)  # type: ignore[no-any-return]
+
+    def wait(self, op: tuple[Any, ...]) -> tuple[str, Any]:
+        """The context's ctx.wait_for/sleep/sleep_until: the worker reads the wait under this
+        dispatch's lease."""
+        return self._worker._wait_op(self, op)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass
@@ -7121,6 +7578,15 @@ def _worker_id() -> str:
     return f"{socket.gethostname()[:80]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _pipe_wait(conn: Any, op: tuple[Any, ...]) -> tuple[str, Any]:
+    # In a handler process: the parent's handler thread reads the wait (one engine, one fence).
+    conn.send(("wait", op))
+    kind, value = conn.recv()
+    if kind == "raise":
+        raise value
+    return kind, value
+
+
 def _pipe_spawn(conn: Any, plan: _Plan) -> dict[str, int]:
     # In a handler process: the parent's handler thread spawns (one engine, one fence) and answers.
     conn.send(("spawn", plan))
@@ -7157,7 +7623,7 @@ def _die_with_worker(lifeline: Any) -> None:
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(_PR_SET_PDEATHSIG, _os_signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass  # no prctl: the lifeline alone
     threading.Thread(target=_end_at_eof, args=(lifeline,), name="jobq-lifeline", daemon=True).start()
@@ -7168,7 +7634,7 @@ def _end_at_eof(lifeline: Any) -> None:
         lifeline.recv_bytes()  # nothing is ever sent: this returns only at end of file
     except BaseException:  # noqa: BLE001,S110 - EOF, or a closed pipe: the worker is gone either way
         pass
-    kill = getattr(signal, "SIGKILL", None)
+    kill = getattr(_os_signal, "SIGKILL", None)
     if kill is not None:
         os.kill(os.getpid(), kill)
     os._exit(70)
@@ -7185,9 +7651,12 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
     ctx._report = lambda p: conn.send(("progress", p))
     ctx._spawner = functools.partial(_pipe_spawn, conn)
     ctx._read_upstream = functools.partial(_upstream_through_pipe, conn)
+    ctx._waits = functools.partial(_pipe_wait, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
+    except _Unwind as unwind:  # a suspension: the parent writes it
+        conn.send(("suspend", unwind.intent))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(_error_outcome(exc, _retry_policy_of(handler)))
 
@@ -7775,6 +8244,11 @@ class _WorkerCore:
         run.own = run.own.union(ids.values())
         return ids
 
+    def _wait_op(self, run: _Running, op: tuple[Any, ...]) -> tuple[str, Any]:
+        """A handler's ctx.wait_for/sleep/sleep_until (in its thread, or for a handler process here)."""
+        lease = run.lease
+        return _transaction(self.engine, lambda conn, d: _wait_answer(conn, d, lease.id, lease.token, op))
+
     @staticmethod
     def _check_result(value: Any) -> tuple[str, Any]:
         try:
@@ -7855,6 +8329,9 @@ class _WorkerCore:
                 continue
             if kind == "ok":
                 out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "done", result=payload,
+                                             parent_id=lease.parent_id, spawned=run.spawned))
+            elif kind == "suspend":
+                out.outcomes.append(_Outcome(lease.id, self.worker_id, lease.token, "suspend", wait=payload,
                                              parent_id=lease.parent_id, spawned=run.spawned))
             else:
                 retry = kind == "error" and lease.attempt < lease.max_attempts
@@ -7972,6 +8449,9 @@ class _WorkerCore:
                 _emit(self.options.on_event, ev("cancelled"))
             elif kind == "ok":
                 _emit(self.options.on_event, ev("finished"))
+            elif kind == "suspend":
+                action = "failed" if written == "failed" else "snoozed" if payload.kind == "snooze" else "suspended"
+                _emit(self.options.on_event, ev(action, error="snoozed past its limit" if written == "failed" else None))
             else:
                 action = "retried" if kind == "error" and lease.attempt < lease.max_attempts else "failed"
                 _emit(self.options.on_event, ev(action, error=_one_line(payload)))
@@ -8326,13 +8806,13 @@ class Worker(_WorkerCore):
 
         watcher = threading.Thread(target=watch, name="jobq-signals", daemon=True)
         watcher.start()
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: _os_signal.getsignal(s) for s in (_os_signal.SIGTERM, _os_signal.SIGINT)}
         for s in previous:
-            signal.signal(s, on_signal)
+            _os_signal.signal(s, on_signal)
 
         def restore() -> None:
             for s, h in previous.items():
-                signal.signal(s, h)
+                _os_signal.signal(s, h)
             os.set_blocking(w, True)
             os.write(w, b"x")  # the watcher's last byte
             watcher.join()
@@ -8435,6 +8915,8 @@ class Worker(_WorkerCore):
         try:
             value = self.handlers[run.lease.type](run.ctx)
             return self._check_result(value)
+        except _Unwind as unwind:  # ctx.wait_for/sleep/sleep_until or Snooze: written as a suspension
+            return "suspend", unwind.intent
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a handler thread is a failure, never success
             return _error_outcome(exc, self._policies.get(run.lease.type))
 
@@ -8478,6 +8960,9 @@ class Worker(_WorkerCore):
                     elif msg[0] == "upstream":
                         recv.send(self._upstream_answer(run))
                         msg = None
+                    elif msg[0] == "wait":
+                        recv.send(self._wait_answer_for_child(run, msg[1]))
+                        msg = None
                 elif proc.sentinel in ready:
                     break
             proc.join()
@@ -8485,6 +8970,8 @@ class Worker(_WorkerCore):
                 kind, payload = "error", f"handler process died (exit code {proc.exitcode})"
             elif msg[0] == "ok":
                 kind, payload = self._check_result(msg[1])
+            elif msg[0] == "suspend":
+                kind, payload = "suspend", msg[1]
             else:  # "error", or "fatal" (not to be retried: _error_outcome in the handler's process)
                 kind, payload = ("fatal" if msg[0] == "fatal" else "error"), msg[1]
         except BaseException as exc:  # noqa: BLE001
@@ -8510,6 +8997,14 @@ class Worker(_WorkerCore):
             return "ok", self._read_upstream(run.ctx)
         except Exception as exc:  # noqa: BLE001 - raised in the handler process as a JobqError
             return "error", f"ctx.upstream could not be read: {_one_line(exc)}"
+
+    def _wait_answer_for_child(self, run: _Running, op: tuple[Any, ...]) -> tuple[str, Any]:
+        try:
+            return self._wait_op(run, op)
+        except JobqError as exc:
+            return "raise", exc
+        except Exception as exc:  # noqa: BLE001 - a driver's error may not pickle: its text does
+            return "raise", JobqError(f"wait failed: {_one_line(exc)}")
 
     def _spawn_answer(self, run: _Running, plan: _Plan) -> tuple[str, Any]:
         try:
@@ -8575,12 +9070,12 @@ class Worker(_WorkerCore):
 
 _ASYNC_TWINS = ("attempts", "cancel", "claim", "claim_batch", "create_schema", "enqueue", "fail", "finalize", "get",
                 "get_group", "get_limit", "groups", "heartbeat", "prune", "reclaim", "release", "retry", "set_group",
-                "set_limit", "stats", "submit", "tick", "why")
+                "set_limit", "signal", "stats", "submit", "tick", "why")
 
 
 #: The sync function each async twin runs.
 _SYNC: dict[str, Callable[..., Any]] = {fn.__name__: fn for fn in (
-    attempts, cancel, claim, claim_batch, create_schema, enqueue, fail, finalize, get, get_group, get_limit, groups, heartbeat, prune, reclaim, release, retry, set_group, set_limit, stats, submit, tick, why)}
+    attempts, cancel, claim, claim_batch, create_schema, enqueue, fail, finalize, get, get_group, get_limit, groups, heartbeat, prune, reclaim, release, retry, set_group, set_limit, signal, stats, submit, tick, why)}
 
 
 def _async_twin(fn: Callable[..., _T]) -> Callable[..., Any]:
@@ -8740,7 +9235,7 @@ class AsyncWorker(_WorkerCore):
         hb = self._loop.create_task(self._heartbeats(self._hb_stop))
         restore: list[Callable[[], Any]] = [hb.cancel, self._hb_stop.set]
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (_os_signal.SIGTERM, _os_signal.SIGINT):
                 try:
                     self._loop.add_signal_handler(sig, self.stop)
                     restore.append(functools.partial(self._loop.remove_signal_handler, sig))
@@ -8784,6 +9279,8 @@ class AsyncWorker(_WorkerCore):
             kind, payload = self._check_result(value)
         except asyncio.CancelledError:
             kind, payload = "error", f"handler task cancelled ({run.ctx.stop_reason or 'stopped'})"
+        except _Unwind as unwind:  # ctx.wait_for/sleep/sleep_until or Snooze: written as a suspension
+            kind, payload = "suspend", unwind.intent
         except BaseException as exc:  # noqa: BLE001 - reported like a thread handler's error
             kind, payload = _error_outcome(exc, self._policies.get(run.lease.type))
         self._tasks.pop(run.key, None)

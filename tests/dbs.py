@@ -200,6 +200,8 @@ def wipe(engine: sa.Engine) -> None:
         conn.execute(sa.delete(tables["jobq_starts"]))
         conn.execute(sa.delete(tables["jobq_attempts"]))
         conn.execute(sa.delete(tables["jobq_groups"]))  # stored group policy (set_group), and its counts
+        conn.execute(sa.delete(tables["jobq_waits"]))  # what handlers waited for, and the signals
+        conn.execute(sa.delete(tables["jobq_signals"]))
         conn.execute(sa.update(meta).where(meta.c.key == "claim_lock").values(value=""))
         conn.execute(sa.update(meta).where(meta.c.key == "global_limits").values(value=""))  # set_limit
 

@@ -31,6 +31,10 @@ TABLE_PURPOSE = {
                    "rate limits. Swept after `START_LOG_RETENTION`.",
     "jobq_attempts": "One row per ended attempt: who ran it, when, the outcome and the error.",
     "jobq_groups": "Each group's stored policy (weight, cap, rate, paused) and the global limits.",
+    "jobq_signals": "One row per signal key: the first signal's payload and time (`sent_at` is empty "
+                    "while the key is only awaited). Read by `ctx.wait_for`.",
+    "jobq_waits": "What each job's handler waited for: signal waits with their timeout, relative "
+                  "sleeps with their end, the snooze count; kept for the job's life.",
 }
 API_PREFIX = "reference/api/"
 
