@@ -199,7 +199,10 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     locks) and "prune_locked" (the batch locked and checked again, before its delete), both
     inside its transaction (the race tests replace it); "unique_keys_read" (enqueue, submit and
     spawns with unique keys: the keys looked up, their holders locked, before the insert,
-    inside its transaction; job_ids are the holders found).
+    inside its transaction; job_ids are the holders found); "suspend_checked" (a suspension
+    waiting for a signal: the key's row locked and read, before the job is written) and
+    "wait_timeout_checked" (ctx.wait_for past its timeout: the key's row locked and read, before
+    the timeout is recorded), both inside their transaction.
     """
 
 

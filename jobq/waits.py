@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import orm
 from sqlalchemy.engine import Connection, Engine
 
-from .base import LeaseLost, _Suspension
+from .base import LeaseLost, _checkpoint, _Suspension
 from .drivers import _Dialect, _engine_of, _prepare, _target_connection, _transaction
 from .sql import (
     _Outcome,
@@ -125,6 +125,7 @@ def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tup
     # or comes after the timeout is recorded (and this job never reads it).
     d.insert_signal_key(conn, key, now)
     locked = conn.execute(_q_lock_signal(d, key)).one()
+    _checkpoint("wait_timeout_checked", [job_id])
     if locked.sent_at is not None:
         return "value", locked.payload
     if conn.execute(_q_held([job_id], token)).first() is None:
@@ -168,6 +169,7 @@ def _write_suspension(conn: Connection, d: _Dialect, o: _Outcome, now: _dt.datet
     if w.kind == "signal":
         d.insert_signal_key(conn, w.name, now)
         sent = conn.execute(_q_lock_signal(d, w.name)).one().sent_at is not None
+        _checkpoint("suspend_checked", [o.job_id])
         waiting = not sent
         due = now if sent else (w.until or _NEVER)
     assert due is not None
