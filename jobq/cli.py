@@ -40,6 +40,7 @@ from .sql import (
     _q_upstream_ids_of,
 )
 from .validate import _MAX_RATE_STARTS, _MAX_SLOTS, _MAX_WEIGHT, _MIN_RATE_PERIOD, _one_line, _seconds, _type_name
+from .waits import signal
 from .worker import Worker
 
 # One rule for exit codes (keep in sync with main's docstring and docs/guides/cli.md): 0 ok, 1 the job
@@ -544,6 +545,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=_limit_or_none(str), metavar="N/PERIOD|none",
                    help="most N starts per PERIOD, all groups together (100/1m); none: no rate limit")
     p.add_argument("--clear", action="store_true", help="remove both (each worker's own options still apply)")
+    p = add("signal", "send a signal: jobs waiting for KEY in ctx.wait_for run again and read its payload")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("--payload", default="null", metavar="JSON", help="what ctx.wait_for returns: any JSON value "
+                   "(default: null)")
     p = add("prune", "delete finished jobs older than a duration")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
@@ -739,6 +744,14 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
                 print(f"{'':>19}attempt {a['attempt']} {a['outcome']}: {_iso(a['started_at']) or '-'} .. "
                       f"{_iso(a['finished_at'])} by {a['worker_id'] or '-'}"
                       + (f": {_one_line(a['error'])}" if a["error"] else ""))
+    elif cmd == "signal":
+        try:
+            payload = json.loads(ns.payload)
+        except ValueError as exc:
+            raise _CliError(f"--payload is not valid JSON: {_one_line(exc)}", _EXIT_USAGE) from None
+        sent = signal(engine, ns.key, payload)
+        _print_json({"key": ns.key, "sent": sent}) if ns.json else print(
+            f"signal {ns.key!r} sent" if sent else f"signal {ns.key!r} was sent before: its first payload stands")
     elif cmd == "why":
         state = _require_job(engine, ns.id)
         line = why(engine, ns.id)

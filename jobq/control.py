@@ -52,6 +52,7 @@ from .sql import (
     _q_reopen,
     _q_request_cancel,
     _q_roll_up,
+    _q_signal_waits,
     _q_uncount_failed_children,
     _q_unfinished_upstreams,
     _q_upstream_edges,
@@ -494,8 +495,10 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
                 return f"{head} is a container with {r.pending_children} unfinished child job(s); it rolls up when they finish"
             return f"{head} is waiting, but nothing it waits for is unfinished (pending count {r.pending_deps}): report this"
         # ready: scheduled for later, or due and waiting for a worker
-        last = conn.execute(_q_attempt_history(job_id, last=True)).first() if r.attempts else None
+        last = conn.execute(_q_attempt_history(job_id, last=True)).first() if r.attempts or r.run_after > t else None
         ended = f" ({last.outcome})" if last is not None and last.outcome != "failed" else ""  # timeout, reclaimed
+        if r.run_after > t and last is not None and last.outcome in ("suspended", "snoozed"):
+            return _suspended_text(conn, head, r, last.outcome, t) + note
         if r.run_after > t:
             when = f"{head} is scheduled, runs in {_span((r.run_after - t).total_seconds())} (at {_iso(r.run_after)})"
             if r.attempts:
@@ -521,6 +524,18 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
                    ": no worker is running jobs; is a worker with a handler for this type up?") + note)
+
+
+def _suspended_text(conn: Connection, head: str, r: Any, outcome: str, t: _dt.datetime) -> str:
+    """why's line for a suspended job (waits.py): the signal it waits for, or its sleep's end."""
+    at = f"{_iso(r.run_after)} (in {_span((r.run_after - t).total_seconds())})"
+    if outcome == "snoozed":
+        return f"{head} is snoozed until {at}, holding no slot"
+    w = conn.execute(_q_signal_waits(r.id)).first()
+    if w is not None:
+        timeout = f"timeout at {_iso(w.until)}" if w.until is not None else "no timeout"
+        return f"{head} is waiting for signal {w.name!r} since {_iso(w.since)} ({timeout}), holding no slot"
+    return f"{head} is sleeping until {at}, holding no slot"
 
 
 def _global_hold(conn: Connection, g: GlobalLimit, in_flight: int, now: _dt.datetime) -> str:

@@ -1142,6 +1142,12 @@ def _q_wait_row(job_id: int, kind: str, name: str) -> sa.Select[Any]:
         _wc.job_id == job_id, _wc.kind == kind, _wc.name == name)
 
 
+def _q_signal_waits(job_id: int) -> sa.Select[Any]:
+    # why: the signal a suspended job waits for.
+    return sa.select(_wc.name, _wc.since, _wc.until).where(_wc.job_id == job_id, _wc.kind == "signal",
+                                                            _wc.waiting == _TRUE).order_by(_wc.since).limit(1)
+
+
 def _q_insert_wait() -> sa.Insert:
     return sa.insert(_waits)
 

@@ -318,7 +318,10 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     locks) and "prune_locked" (the batch locked and checked again, before its delete), both
     inside its transaction (the race tests replace it); "unique_keys_read" (enqueue, submit and
     spawns with unique keys: the keys looked up, their holders locked, before the insert,
-    inside its transaction; job_ids are the holders found).
+    inside its transaction; job_ids are the holders found); "suspend_checked" (a suspension
+    waiting for a signal: the key's row locked and read, before the job is written) and
+    "wait_timeout_checked" (ctx.wait_for past its timeout: the key's row locked and read, before
+    the timeout is recorded), both inside their transaction.
     """
 
 
@@ -2056,6 +2059,12 @@ def _q_stop_waiting(key: str) -> sa.Update:
 def _q_wait_row(job_id: int, kind: str, name: str) -> sa.Select[Any]:
     return sa.select(_wc.waiting, _wc.since, _wc.until, _wc.resolved, _wc.n).where(
         _wc.job_id == job_id, _wc.kind == kind, _wc.name == name)
+
+
+def _q_signal_waits(job_id: int) -> sa.Select[Any]:
+    # why: the signal a suspended job waits for.
+    return sa.select(_wc.name, _wc.since, _wc.until).where(_wc.job_id == job_id, _wc.kind == "signal",
+                                                            _wc.waiting == _TRUE).order_by(_wc.since).limit(1)
 
 
 def _q_insert_wait() -> sa.Insert:
@@ -5156,6 +5165,7 @@ def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tup
     # or comes after the timeout is recorded (and this job never reads it).
     d.insert_signal_key(conn, key, now)
     locked = conn.execute(_q_lock_signal(d, key)).one()
+    _checkpoint("wait_timeout_checked", [job_id])
     if locked.sent_at is not None:
         return "value", locked.payload
     if conn.execute(_q_held([job_id], token)).first() is None:
@@ -5199,6 +5209,7 @@ def _write_suspension(conn: Connection, d: _Dialect, o: _Outcome, now: _dt.datet
     if w.kind == "signal":
         d.insert_signal_key(conn, w.name, now)
         sent = conn.execute(_q_lock_signal(d, w.name)).one().sent_at is not None
+        _checkpoint("suspend_checked", [o.job_id])
         waiting = not sent
         due = now if sent else (w.until or _NEVER)
     assert due is not None
@@ -7017,8 +7028,10 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
                 return f"{head} is a container with {r.pending_children} unfinished child job(s); it rolls up when they finish"
             return f"{head} is waiting, but nothing it waits for is unfinished (pending count {r.pending_deps}): report this"
         # ready: scheduled for later, or due and waiting for a worker
-        last = conn.execute(_q_attempt_history(job_id, last=True)).first() if r.attempts else None
+        last = conn.execute(_q_attempt_history(job_id, last=True)).first() if r.attempts or r.run_after > t else None
         ended = f" ({last.outcome})" if last is not None and last.outcome != "failed" else ""  # timeout, reclaimed
+        if r.run_after > t and last is not None and last.outcome in ("suspended", "snoozed"):
+            return _suspended_text(conn, head, r, last.outcome, t) + note
         if r.run_after > t:
             when = f"{head} is scheduled, runs in {_span((r.run_after - t).total_seconds())} (at {_iso(r.run_after)})"
             if r.attempts:
@@ -7044,6 +7057,18 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
                 f"{total} job(s) in flight ({mine} in its group) held by {', '.join(owners[:3]) or 'no worker'}"
                 + (": the global or group cap may be full" if total else
                    ": no worker is running jobs; is a worker with a handler for this type up?") + note)
+
+
+def _suspended_text(conn: Connection, head: str, r: Any, outcome: str, t: _dt.datetime) -> str:
+    """why's line for a suspended job (waits.py): the signal it waits for, or its sleep's end."""
+    at = f"{_iso(r.run_after)} (in {_span((r.run_after - t).total_seconds())})"
+    if outcome == "snoozed":
+        return f"{head} is snoozed until {at}, holding no slot"
+    w = conn.execute(_q_signal_waits(r.id)).first()
+    if w is not None:
+        timeout = f"timeout at {_iso(w.until)}" if w.until is not None else "no timeout"
+        return f"{head} is waiting for signal {w.name!r} since {_iso(w.since)} ({timeout}), holding no slot"
+    return f"{head} is sleeping until {at}, holding no slot"
 
 
 def _global_hold(conn: Connection, g: GlobalLimit, in_flight: int, now: _dt.datetime) -> str:
@@ -9871,6 +9896,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=_limit_or_none(str), metavar="N/PERIOD|none",
                    help="most N starts per PERIOD, all groups together (100/1m); none: no rate limit")
     p.add_argument("--clear", action="store_true", help="remove both (each worker's own options still apply)")
+    p = add("signal", "send a signal: jobs waiting for KEY in ctx.wait_for run again and read its payload")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("--payload", default="null", metavar="JSON", help="what ctx.wait_for returns: any JSON value "
+                   "(default: null)")
     p = add("prune", "delete finished jobs older than a duration")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
@@ -10066,6 +10095,14 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
                 print(f"{'':>19}attempt {a['attempt']} {a['outcome']}: {_iso(a['started_at']) or '-'} .. "
                       f"{_iso(a['finished_at'])} by {a['worker_id'] or '-'}"
                       + (f": {_one_line(a['error'])}" if a["error"] else ""))
+    elif cmd == "signal":
+        try:
+            payload = json.loads(ns.payload)
+        except ValueError as exc:
+            raise _CliError(f"--payload is not valid JSON: {_one_line(exc)}", _EXIT_USAGE) from None
+        sent = signal(engine, ns.key, payload)
+        _print_json({"key": ns.key, "sent": sent}) if ns.json else print(
+            f"signal {ns.key!r} sent" if sent else f"signal {ns.key!r} was sent before: its first payload stands")
     elif cmd == "why":
         state = _require_job(engine, ns.id)
         line = why(engine, ns.id)
