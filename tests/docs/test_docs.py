@@ -185,6 +185,19 @@ def test_observability_names_every_event_action_and_attempt_outcome() -> None:
     assert set(jobq.ATTEMPT_OUTCOMES) <= named, set(jobq.ATTEMPT_OUTCOMES) - named
 
 
+def test_the_front_pages_link_every_page_of_the_site() -> None:
+    """Every page in the site's navigation outside the reference (which its own index lists, and
+    part of which is generated) is linked from the docs' home page and the README, so a new
+    guide cannot be left out of the two lists readers start from."""
+    nav = re.findall(r"^\s*- (?:[^:\n]+: )?([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    assert len(nav) > 30, nav
+    home = (ROOT / "docs" / "index.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    pages = [page for page in nav if page not in ("index.md", "changelog.md") and not page.startswith("reference/")]
+    assert [page for page in pages if f"]({page}" not in home] == []
+    assert [page for page in pages if f"](docs/{page}" not in readme] == []
+
+
 def test_layout_lists_every_scenario() -> None:
     text = (ROOT / "docs" / "internals" / "layout.md").read_text()
     for script in sorted((ROOT / "scenarios").glob("*.py")):
