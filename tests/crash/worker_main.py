@@ -10,6 +10,7 @@ test can count executions and finalize commits after the process is gone:
     events-PID.log  one line per worker event: "action job"
     started-JOB-ATTEMPT  a marker file created when a handler starts
     returning-JOB-ATTEMPT  created just before a "work" handler with args.gate returns
+    (the "waiter" handler checkpoints once, then waits for the signal args.key)
     handler-JOB-ATTEMPT  the pid of the "forever" handler's process, written when it starts
 
 --no-death-watch starts handler processes (--executor process) without jobq's watch on their
@@ -55,6 +56,12 @@ def no_death_watch(lifeline: object) -> None:
     """BROKEN: the handler process does not watch its worker (replaces jobq._die_with_worker)."""
 
 
+def suspend_keeps_lease(conn: sa.Connection, d: object, o: object, now: object) -> tuple[int, str, str]:
+    """BROKEN: the suspension is reported written, but the job keeps its lease (replaces
+    jobq._write_suspension): it can only come back through a reclaim, charged."""
+    return 1, "ready", "suspended"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("url")
@@ -68,6 +75,8 @@ def main() -> None:
     p.add_argument("--executor", default="thread")
     p.add_argument("--start-method", default="fork")
     p.add_argument("--no-death-watch", action="store_true", help="BROKEN: handler processes outlive the worker")
+    p.add_argument("--suspend-keeps-lease", action="store_true",
+                   help="BROKEN: a suspension records the wait but leaves the job leased (tests/crash/test_suspend_kill.py)")
     p.add_argument("--no-pre-ping", action="store_true", help="let dead pooled connections surface as errors")
     ns = p.parse_args()
     pid = os.getpid()
@@ -87,6 +96,8 @@ def main() -> None:
     jobq._checkpoint = checkpoint  # the test entry point's replacement for the no-op
     if ns.no_death_watch:
         jobq._die_with_worker = no_death_watch  # type: ignore[assignment]
+    if ns.suspend_keeps_lease:
+        jobq._write_suspension = suspend_keeps_lease  # type: ignore[assignment]
 
     def work(ctx: jobq.JobContext) -> dict:
         append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
@@ -136,10 +147,19 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return {"resumed_from": start}
 
+    def waiter(ctx: jobq.JobContext) -> dict:
+        # Checkpoints once, then waits for the signal args.key without holding a slot.
+        append(logs / f"exec-{pid}.log", f"{ctx.id} {ctx.attempt}")
+        if ctx.state is None:
+            ctx.checkpoint({"prepared": ctx.attempt})
+        got = ctx.wait_for(ctx.args["key"])
+        return {"got": got, "state": ctx.state, "attempt": ctx.attempt}
+
     connect_args = {"application_name": "jobq-crash-worker"} if ns.url.startswith("postgresql") else {}
     engine = sa.create_engine(ns.url, pool_pre_ping=not ns.no_pre_ping, connect_args=connect_args)
     worker = jobq.Worker(
-        engine, {"work": work, "poison": poison, "steps": steps, "spawner": spawner, "forever": forever},
+        engine, {"work": work, "poison": poison, "steps": steps, "spawner": spawner, "forever": forever,
+                 "waiter": waiter},
         max_concurrency=ns.concurrency, lease_ttl=ns.ttl, poll_interval=0.02, retry_backoff=lambda a: 0.0,
         shutdown_timeout=ns.shutdown_timeout, executor=ns.executor, start_method=ns.start_method,
         on_event=lambda ev: append(logs / f"events-{pid}.log", f"{ev.action} {ev.job_id}"),
