@@ -23,6 +23,8 @@ EXPECT = {  # besides the verdict: lines the reader is told to look for
     "checkpoint_resume.py": ["kill -9 worker A", "starting from checkpoint", "is done, attempts=2", "rows': 8000"],
     "crawl_spawn.py": ["then failed (attempt 1): they are discarded", "crawl container: done; 12 page jobs in it",
                        "fetched once each: True", "report: done"],
+    "order_payment.py": ["is waiting for signal 'paid-1' since", "report: ran while the orders waited",
+                         "order 2: no payment within", "order 2: charge failed, ship failed"],
     "pydantic_boundary.py": ["refused at enqueue", "InvoiceResult(invoice_no=", ": failed; first line of the error: ValidationError"],
 }
 EXTRAS = {"async_crawl.py": ("aiosqlite", "pip install 'jobq[asyncio]'"),
