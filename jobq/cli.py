@@ -454,7 +454,9 @@ def _per_group_text(counts: Mapping[str, int]) -> str:
 
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
-    states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
+    awaiting = f", {st['awaiting_signal']} of them waiting for a signal" if st.get("awaiting_signal") else ""
+    states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled{awaiting})"
+                                      if k == "ready" else "")
                        for k, v in st["states"].items() if k not in TERMINAL)
     finished = "  ".join(f"{k}={st['states'][k]}" for k in TERMINAL)
     due = _per_group_text(st["due_by_group"])

@@ -25,6 +25,7 @@ from .sql import (
     _Q_GLOBAL_LIMITS,
     _q_ahead_in_group,
     _q_attempt_history,
+    _q_awaiting_signal,
     _q_cancel_unstarted,
     _q_child_counts,
     _q_child_states,
@@ -643,7 +644,8 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
         ``in_flight`` (per group, including slots held by abandoned
         handlers), ``oldest_ready`` (the ``run_after`` of the longest-waiting due job, or
         None), ``next_scheduled`` (the earliest ``run_after`` of a scheduled job, or None),
-        ``expired_leases`` (awaiting reclaim), ``recent_failures`` (up to 5: id, type, error,
+        ``expired_leases`` (awaiting reclaim), ``awaiting_signal`` (scheduled ready jobs
+        suspended until a signal, see ``ctx.wait_for``), ``recent_failures`` (up to 5: id, type, error,
         finished_at), ``now`` (the database clock), and ``totals`` if asked for. Times are
         naive UTC, as stored.
     """
@@ -672,6 +674,7 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
             "ready_due": due_total, "ready_scheduled": live["ready"] - due_total, "due_by_group": due_by_group,
             "in_flight": _in_flight_counts(conn, now), "oldest_ready": oldest, "next_scheduled": upcoming,
             "expired_leases": conn.execute(_q_expired_count(now)).scalar_one(),
+            "awaiting_signal": conn.execute(_q_awaiting_signal()).scalar_one(),
             "recent_failures": [dict(r._mapping) for r in conn.execute(_q_recent_failures(since))], "now": now,
         }
         if totals:

@@ -313,6 +313,10 @@ _waits = sa.Table(
     mariadb_engine="InnoDB",
 )
 
+#: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes
+#: it due. stats() leaves it out of ``next_scheduled``.
+_NEVER = _dt.datetime(9999, 12, 30)
+
 #: How an attempt ended, as :func:`attempts` reports it: ``done``; ``failed`` (the handler
 #: raised or its result was refused); ``timeout`` (the dispatch timeout fired); ``reclaimed``
 #: (its lease expired: the worker died, stalled or lost the database); ``released`` (given

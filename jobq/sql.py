@@ -20,6 +20,7 @@ from .schema import (
     _JSONCOL,
     _LIVE,
     _NAME,
+    _NEVER,
     _TEXT,
     _TS,
     TERMINAL,
@@ -204,11 +205,19 @@ def _q_ready_by_group(now: _dt.datetime) -> sa.Select[Any]:
 
 
 def _q_ready_times(now: _dt.datetime) -> sa.Select[Any]:
-    """The ``run_after`` of the oldest due ready job and of the next scheduled one."""
+    """The ``run_after`` of the oldest due ready job and of the next scheduled one (not a job
+    waiting for a signal with no timeout: it has no time)."""
     return sa.select(
         sa.func.min(sa.case((_c.run_after <= now, _c.run_after)), type_=_TS),
-        sa.func.min(sa.case((_c.run_after > now, _c.run_after)), type_=_TS),
+        sa.func.min(sa.case((sa.and_(_c.run_after > now, _c.run_after < _NEVER), _c.run_after)), type_=_TS),
     ).where(_state_is("ready"))
+
+
+def _q_awaiting_signal() -> sa.Select[Any]:
+    # stats: ready jobs suspended on a signal (jobq_waits rows still waiting; a job cancelled
+    # meanwhile keeps its row, so the job's state is checked).
+    return (sa.select(sa.func.count(sa.distinct(_waits.c.job_id))).select_from(_waits.join(_jobs, _c.id == _waits.c.job_id))
+            .where(_waits.c.kind == "signal", _waits.c.waiting == _TRUE, _state_is("ready")))
 
 
 def _q_waiting_count() -> sa.Select[Any]:

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from .base import LeaseLost, _checkpoint, _Suspension
 from .drivers import _Dialect, _engine_of, _prepare, _target_connection, _transaction
+from .schema import _NEVER
 from .sql import (
     _Outcome,
     _q_fail,
@@ -37,10 +38,7 @@ from .sql import (
     _q_waiters,
     _q_wake,
 )
-from .validate import _MAX_TIME, _check_name, _encode_checked
-
-#: run_after of a job that waits for a signal with no timeout: only the signal makes it due.
-_NEVER = _MAX_TIME
+from .validate import _check_name, _encode_checked
 
 
 def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = None) -> bool:

@@ -912,6 +912,10 @@ _waits = sa.Table(
     mariadb_engine="InnoDB",
 )
 
+#: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes
+#: it due. stats() leaves it out of ``next_scheduled``.
+_NEVER = _dt.datetime(9999, 12, 30)
+
 #: How an attempt ended, as :func:`attempts` reports it: ``done``; ``failed`` (the handler
 #: raised or its result was refused); ``timeout`` (the dispatch timeout fired); ``reclaimed``
 #: (its lease expired: the worker died, stalled or lost the database); ``released`` (given
@@ -1123,11 +1127,19 @@ def _q_ready_by_group(now: _dt.datetime) -> sa.Select[Any]:
 
 
 def _q_ready_times(now: _dt.datetime) -> sa.Select[Any]:
-    """The ``run_after`` of the oldest due ready job and of the next scheduled one."""
+    """The ``run_after`` of the oldest due ready job and of the next scheduled one (not a job
+    waiting for a signal with no timeout: it has no time)."""
     return sa.select(
         sa.func.min(sa.case((_c.run_after <= now, _c.run_after)), type_=_TS),
-        sa.func.min(sa.case((_c.run_after > now, _c.run_after)), type_=_TS),
+        sa.func.min(sa.case((sa.and_(_c.run_after > now, _c.run_after < _NEVER), _c.run_after)), type_=_TS),
     ).where(_state_is("ready"))
+
+
+def _q_awaiting_signal() -> sa.Select[Any]:
+    # stats: ready jobs suspended on a signal (jobq_waits rows still waiting; a job cancelled
+    # meanwhile keeps its row, so the job's state is checked).
+    return (sa.select(sa.func.count(sa.distinct(_waits.c.job_id))).select_from(_waits.join(_jobs, _c.id == _waits.c.job_id))
+            .where(_waits.c.kind == "signal", _waits.c.waiting == _TRUE, _state_is("ready")))
 
 
 def _q_waiting_count() -> sa.Select[Any]:
@@ -5079,10 +5091,6 @@ def claim(engine: Engine, worker_id: str, ttl: float, *, types: Iterable[str] | 
 # (a waiter inserts an awaited-only row when there is none): whichever commits second sees the
 # other's rows, so a signal is never lost between the handler's read and its suspension.
 
-#: run_after of a job that waits for a signal with no timeout: only the signal makes it due.
-_NEVER = _MAX_TIME
-
-
 def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = None) -> bool:
     """Send the signal ``key``: every job waiting for it in ``ctx.wait_for(key)`` becomes due
     now, and every ``ctx.wait_for(key)`` from now on returns ``payload`` at once.
@@ -7176,7 +7184,8 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
         ``in_flight`` (per group, including slots held by abandoned
         handlers), ``oldest_ready`` (the ``run_after`` of the longest-waiting due job, or
         None), ``next_scheduled`` (the earliest ``run_after`` of a scheduled job, or None),
-        ``expired_leases`` (awaiting reclaim), ``recent_failures`` (up to 5: id, type, error,
+        ``expired_leases`` (awaiting reclaim), ``awaiting_signal`` (scheduled ready jobs
+        suspended until a signal, see ``ctx.wait_for``), ``recent_failures`` (up to 5: id, type, error,
         finished_at), ``now`` (the database clock), and ``totals`` if asked for. Times are
         naive UTC, as stored.
     """
@@ -7205,6 +7214,7 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
             "ready_due": due_total, "ready_scheduled": live["ready"] - due_total, "due_by_group": due_by_group,
             "in_flight": _in_flight_counts(conn, now), "oldest_ready": oldest, "next_scheduled": upcoming,
             "expired_leases": conn.execute(_q_expired_count(now)).scalar_one(),
+            "awaiting_signal": conn.execute(_q_awaiting_signal()).scalar_one(),
             "recent_failures": [dict(r._mapping) for r in conn.execute(_q_recent_failures(since))], "now": now,
         }
         if totals:
@@ -9805,7 +9815,9 @@ def _per_group_text(counts: Mapping[str, int]) -> str:
 
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
-    states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled)" if k == "ready" else "")
+    awaiting = f", {st['awaiting_signal']} of them waiting for a signal" if st.get("awaiting_signal") else ""
+    states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled{awaiting})"
+                                      if k == "ready" else "")
                        for k, v in st["states"].items() if k not in TERMINAL)
     finished = "  ".join(f"{k}={st['states'][k]}" for k in TERMINAL)
     due = _per_group_text(st["due_by_group"])

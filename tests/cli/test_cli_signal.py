@@ -21,6 +21,8 @@ def test_signal_from_the_command_line_wakes_the_waiting_job(db_url: str, engine:
     assert w.run_until_idle(timeout=30) and state(engine, job) == "ready"
     code, out, _ = cli(db_url, "why", str(job), capsys=capsys)
     assert code == 0 and "is waiting for signal 'invoice-9' since" in out and "timeout at" in out, out
+    code, out, _ = cli(db_url, "status", capsys=capsys)
+    assert code == 0 and "ready=1 (0 due, 1 scheduled, 1 of them waiting for a signal)" in out, out
     code, out, _ = cli(db_url, "signal", "invoice-9", "--payload", '{"paid": 12.5}', capsys=capsys)
     assert (code, out.strip()) == (0, "signal 'invoice-9' sent")
     code, out, _ = cli(db_url, "signal", "invoice-9", "--json", capsys=capsys)

@@ -61,6 +61,8 @@ def test_wait_for_suspends_and_its_signal_runs_it_again(engine: sa.Engine, execu
     assert (r.state, r.attempts, r.in_flight, r.lease_token) == ("ready", 0, False, None)
     assert r.checkpoint == {"prepared": True}
     assert r.run_after > db_now(engine) + dt.timedelta(days=365)  # no timeout: only the signal wakes it
+    st = jobq.stats(engine)
+    assert (st["awaiting_signal"], st["ready_scheduled"], st["next_scheduled"]) == (1, 1, None)
     assert jobq.signal(engine, "approve-7", {"ok": True}) is True
     assert w.run_until_idle(timeout=60)
     info = jobq.get(engine, job)
