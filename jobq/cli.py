@@ -23,6 +23,7 @@ from .base import ConfigError, InvalidJob, JobqError, __version__, logger
 from .context import _EXECUTORS, JobContext
 from .control import _iso, _progress_text, _span, _subtree, cancel, prune, retry, stats, why
 from .drivers import _missing_database_file, _prepare
+from .engines import _scheme_hint
 from .jobs import attempts, create_schema, enqueue, get
 from .limits import UNLIMITED, GlobalLimit, GroupPolicy, get_group, get_limit, groups, set_group, set_limit
 from .schema import _LIVE, SCHEMA_VERSION, STATES, TERMINAL
@@ -233,8 +234,7 @@ def _url_secrets(raw: str) -> list[str]:
 def _url_hint(raw: str) -> str:
     """The URL a new user most likely meant, for a scheme without a driver SQLAlchemy cannot
     load ("postgres://", "mysql://" without MySQLdb): jobq's extras install psycopg and PyMySQL."""
-    meant = {"postgres": ("postgresql+psycopg", "postgres"), "postgresql": ("postgresql+psycopg", "postgres"),
-             "mysql": ("mysql+pymysql", "mysql"), "mariadb": ("mariadb+pymysql", "mysql")}.get(raw.partition("://")[0].lower())
+    meant = _scheme_hint(raw.partition("://")[0].lower())
     if meant is None:
         return ""
     return f" (use {meant[0]}://...: the driver jobq's {meant[1]} extra installs)"

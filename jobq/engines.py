@@ -1,21 +1,20 @@
-"""The engine families jobq runs on and their facts: which one a SQLAlchemy dialect is, what
-each can do (_Engine), and the column types that differ between them. The only module, with the
-drivers built on it, that names an engine."""
+"""The engine families jobq runs on, one class each: what the engine is (its label, the oldest
+version jobq supports, its facts, the column types and table options it stores best). The
+drivers (jobq/drivers.py) subclass these with how jobq drives each one; the schema and the
+statements' compile hooks ask these classes (_ENGINES), never an engine's name. With the
+drivers, the only module that names an engine."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql as _mysql
 from sqlalchemy.dialects import postgresql as _pg
 from sqlalchemy.dialects import sqlite as _sqlite
-
-_MIN_VERSIONS = {"postgresql": (12,), "mysql": (8, 0, 1), "mariadb": (10, 6)}
-#: Every engine family jobq runs on, as its messages name it.
-_ENGINE_LABELS = {"sqlite": "SQLite", "postgresql": "PostgreSQL", "mysql": "MySQL", "mariadb": "MariaDB"}
 
 _SCHEMA_LOCK_ID = 0x6A6F6271
 _SCHEMA_LOCK_NAME = "jobq_schema"
@@ -24,11 +23,14 @@ _SCHEMA_LOCK_NAME = "jobq_schema"
 @dataclasses.dataclass(frozen=True)
 class _Engine:
     """What jobq needs to know about one engine family, as facts: runtime code asks a question
-    (``d.returning``) instead of testing a name. The drivers' _Dialect adds the behaviour on top;
-    the schema and the statements' compile hooks ask these facts directly (_facts)."""
+    (``d.returning``) instead of testing a name. Each family is a subclass (_SQLite, ...) that
+    overrides the facts that differ from these defaults, as annotated fields; its driver
+    (jobq/drivers.py) adds the behaviour; the schema and the statements' compile hooks ask the
+    facts directly (_facts). An instance is one engine at one server version (_at)."""
 
-    family: str  # "postgresql" | "mysql" | "mariadb" | "sqlite": for messages and cache keys only
-    version: tuple[int, ...]
+    #: The SQLAlchemy dialect's name, which names the family in cache keys and dialect options.
+    family: str = ""
+    version: tuple[int, ...] = ()
     #: INSERT ... RETURNING (Oracle MySQL has none: see insert_block).
     returning: bool = True
     #: CREATE INDEX ... WHERE (PostgreSQL, SQLite); the others index every row.
@@ -140,11 +142,164 @@ class _Engine:
     #: fails only its INSERT statement (1062), and the transaction goes on.
     on_conflict: Any = None
 
+    #: How jobq's messages name the family.
+    label: ClassVar[str] = ""
+    #: The oldest version jobq runs on, and why (said when an older one is found).
+    min_version: ClassVar[tuple[int, ...]] = ()
+    floor_reason: ClassVar[str] = " (for FOR UPDATE SKIP LOCKED)"
+    #: Column types stored differently from the portable ones, by role ("id", "ts", "name",
+    #: "json", "text": the columns _column_type builds).
+    column_types: ClassVar[Mapping[str, Any]] = {}
+    #: Table options every jobq table carries (the dialect's own keywords, without its prefix).
+    table_options: ClassVar[Mapping[str, Any]] = {}
+    #: How a partial index predicate spells a true boolean (``{true}`` in _where_options): as the
+    #: engine renders ``col == true()``, which its planner must match term for term.
+    true_sql: ClassVar[str] = "true"
+    #: URL schemes a user may write for this family, and the URL (with the driver jobq's extra
+    #: installs) and the extra that the CLI suggests when SQLAlchemy cannot load the scheme.
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+    url_hint: ClassVar[tuple[str, str] | None] = None
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        # A fact set without its annotation would stay the base's default (the dataclass field
+        # of _Engine, not this class attribute, sets the instance's value): refuse it.
+        super().__init_subclass__(**kw)
+        declared = vars(cls).get("__annotations__", {})
+        inherited = {n for base in cls.__mro__[1:] for n in vars(base).get("__dataclass_fields__", {})}
+        unannotated = sorted(n for n in vars(cls) if n in inherited and n not in declared)
+        if unannotated:
+            raise TypeError(f"{cls.__name__}: annotate the facts {unannotated} (as _Engine declares them)")
+
+    @classmethod
+    def _at(cls, version: tuple[int, ...]) -> Any:
+        """This family at a server version (the facts a version decides: _version_facts)."""
+        return cls(version=version, **cls._version_facts(version))
+
+    @classmethod
+    def _version_facts(cls, version: tuple[int, ...]) -> dict[str, Any]:
+        """The facts that depend on the server's version (none unless a family says so)."""
+        return {}
+
     @property
     def generated_live_key(self) -> bool:
         """Whether unique keys are held by a generated column (unique_live) under a plain unique
         index, for engines without partial indexes."""
         return self.live_key_column == "unique_live"
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _SQLite(_Engine):
+    """Embedded: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock."""
+
+    family: str = "sqlite"
+    partial_indexes: bool = True
+    local_clock: bool = True
+    row_locks: bool = False
+    isolation: str | None = None
+    rowid_reuse: bool = True
+    on_conflict: Any = _sqlite.insert
+    compound_limits: bool = False
+    span_first: bool = True
+    label: ClassVar[str] = "SQLite"
+    min_version: ClassVar[tuple[int, ...]] = (3, 25)
+    floor_reason: ClassVar[str] = ""
+    column_types: ClassVar[Mapping[str, Any]] = {"id": sa.Integer()}
+    true_sql: ClassVar[str] = "1"
+
+    @classmethod
+    def _version_facts(cls, version: tuple[int, ...]) -> dict[str, Any]:
+        # json_each() and the -> operators: SQLite 3.38
+        return dict(json_id_lists=version >= (3, 38), scan_reads_window=version >= (3, 38))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PostgreSQL(_Engine):
+    family: str = "postgresql"
+    partial_indexes: bool = True
+    array_params: bool = True
+    dml_ctes: bool = True
+    notify_listen: bool = True
+    on_conflict: Any = _pg.insert
+    key_share_locks: bool = True
+    lateral_arrays: bool = True
+    scan_reads_window: bool = True
+    now_sql: str | None = "SELECT clock_timestamp() AT TIME ZONE 'UTC'"
+    # serialization failure, deadlock, lock_not_available
+    retry_codes: frozenset[Any] = frozenset({"40001", "40P01", "55P03"})
+    tunable: bool = True
+    span_first: bool = True
+    lateral_edges: bool = True
+    schema_lock: tuple[str, str | None] | None = (f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None)
+    label: ClassVar[str] = "PostgreSQL"
+    min_version: ClassVar[tuple[int, ...]] = (12,)
+    column_types: ClassVar[Mapping[str, Any]] = {"json": _pg.JSONB()}
+    url_schemes: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
+    url_hint: ClassVar[tuple[str, str] | None] = ("postgresql+psycopg", "postgres")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MySQL(_Engine):
+    """Oracle MySQL 8+: no RETURNING, no partial indexes (plain composite stand-ins, named by
+    hints), DDL that commits implicitly."""
+
+    family: str = "mysql"
+    returning: bool = False
+    isolation_stmt: bool = True
+    now_sql: str | None = "SELECT UTC_TIMESTAMP(6)"
+    # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
+    # statement was rolled back: _transaction rolls back the rest before retrying).
+    retry_codes: frozenset[Any] = frozenset({1213, 1205})
+    pad_space: bool = True
+    schema_lock: tuple[str, str | None] | None = (f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
+                                                  f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')")
+    recursion_hint: str = "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ "
+    ordered_join: str = "STRAIGHT_JOIN"
+    live_key_column: str = "unique_live"
+    ranged_group_scan: bool = True
+    ready_index_hint: str = "FORCE INDEX (ix_jobs_ready_my)"
+    parent_fk: bool = False
+    index_hints: bool = True
+    literal_int_lists: bool = True
+    span_first: bool = True
+    label: ClassVar[str] = "MySQL"
+    min_version: ClassVar[tuple[int, ...]] = (8, 0, 1)
+    # utf8mb4_bin: names compare case- and accent-sensitively, as elsewhere.
+    column_types: ClassVar[Mapping[str, Any]] = {
+        "ts": _mysql.DATETIME(fsp=6),
+        "name": _mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"),
+        "text": _mysql.MEDIUMTEXT(),
+    }
+    table_options: ClassVar[Mapping[str, Any]] = {"engine": "InnoDB"}
+    url_schemes: ClassVar[tuple[str, ...]] = ("mysql",)
+    url_hint: ClassVar[tuple[str, str] | None] = ("mysql+pymysql", "mysql")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MariaDB(_MySQL):
+    """MariaDB 10.6+: MySQL's facts, with RETURNING, the parent foreign key, and its own
+    recursion limit (max_recursive_iterations, 1,000 by default, and no SET_VAR: the claim's
+    scans ask for at most 501 groups each, _GroupScan)."""
+
+    family: str = "mariadb"
+    returning: bool = True
+    json_max_depth: int | None = 32
+    recursion_hint: str = ""
+    recursion_prefix: str = "SET STATEMENT max_recursive_iterations = 4294967295 FOR "
+    parent_fk: bool = True
+    label: ClassVar[str] = "MariaDB"
+    min_version: ClassVar[tuple[int, ...]] = (10, 6)
+    url_schemes: ClassVar[tuple[str, ...]] = ("mariadb",)
+    url_hint: ClassVar[tuple[str, str] | None] = ("mariadb+pymysql", "mysql")
+
+
+#: Every engine family jobq runs on, in the order messages list them. Adding an engine is a
+#: class above and its driver (jobq/drivers.py, _DRIVERS).
+_ENGINES: tuple[type[_Engine], ...] = (_SQLite, _PostgreSQL, _MySQL, _MariaDB)
+_BY_FAMILY: dict[str, type[_Engine]] = {e.family: e for e in _ENGINES}
+#: The oldest version of each family, and its label (derived: kept for the docs and tests).
+_MIN_VERSIONS = {e.family: e.min_version for e in _ENGINES}
+_ENGINE_LABELS = {e.family: e.label for e in _ENGINES}
 
 
 def _family(dialect: sa.Dialect) -> str:
@@ -154,42 +309,18 @@ def _family(dialect: sa.Dialect) -> str:
 
 
 def _engine_facts(family: str, version: tuple[int, ...]) -> dict[str, Any]:
-    """One row per engine family: every fact jobq branches on is decided here (the fields
-    of _Engine that differ from their defaults). Adding an engine is one more row."""
-    if family == "postgresql":
-        return dict(partial_indexes=True, array_params=True, dml_ctes=True, notify_listen=True,
-                        on_conflict=_pg.insert, key_share_locks=True, lateral_arrays=True, scan_reads_window=True,
-                        now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
-                        # serialization failure, deadlock, lock_not_available
-                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True, span_first=True, lateral_edges=True,
-                        schema_lock=(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None))
-    if family in ("mysql", "mariadb"):
-        # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
-        # statement was rolled back: _transaction rolls back the rest before retrying).
-        # MariaDB's own limit (max_recursive_iterations) is 1,000 by default and it has no
-        # SET_VAR: the claim's scans ask for at most 501 groups each (_GroupScan).
-        return dict(returning=family == "mariadb", isolation_stmt=True,
-                        now_sql="SELECT UTC_TIMESTAMP(6)", retry_codes=frozenset({1213, 1205}),
-                        json_max_depth=32 if family == "mariadb" else None, pad_space=True,
-                        schema_lock=(f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
-                                     f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')"),
-                        recursion_hint="" if family == "mariadb" else
-                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
-                        recursion_prefix="SET STATEMENT max_recursive_iterations = 4294967295 FOR "
-                        if family == "mariadb" else "", ordered_join="STRAIGHT_JOIN",
-                        live_key_column="unique_live", ranged_group_scan=True,
-                        ready_index_hint="FORCE INDEX (ix_jobs_ready_my)", parent_fk=family == "mariadb",
-                        index_hints=True, literal_int_lists=True, span_first=True)
-    # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
-    return dict(partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
-                    rowid_reuse=True, on_conflict=_sqlite.insert, compound_limits=False,
-                    json_id_lists=version >= (3, 38), scan_reads_window=version >= (3, 38), span_first=True)
+    """The facts of a family at a version that differ from _Engine's defaults."""
+    got = _BY_FAMILY[family]._at(version)
+    return {f.name: getattr(got, f.name) for f in dataclasses.fields(_Engine)
+            if f.name not in ("family", "version") and getattr(got, f.name) != f.default}
 
 
 @functools.cache
 def _family_facts(family: str) -> _Engine:
-    """The facts of a family that no server version changes (for DDL and compile hooks)."""
-    return _Engine(family, (), **_engine_facts(family, ()))
+    """The facts of a family that no server version changes (for DDL and compile hooks); an
+    engine jobq does not know (SQLAlchemy's default dialect, for str(stmt)) has the defaults."""
+    cls = _BY_FAMILY.get(family)
+    return cls._at(()) if cls is not None else _Engine(family)
 
 
 def _facts(dialect: sa.Dialect) -> _Engine:
@@ -202,12 +333,40 @@ def _when(fact: str) -> Any:
     return lambda *a, dialect, **kw: bool(getattr(_facts(dialect), fact))
 
 
+def _column_type(role: str, portable: Any) -> Any:
+    """``portable``, with each family's own type for ``role`` (column_types) as its variant."""
+    names: dict[int, tuple[Any, list[str]]] = {}
+    for e in _ENGINES:
+        if role in e.column_types:
+            names.setdefault(id(e.column_types[role]), (e.column_types[role], []))[1].append(e.family)
+    for own, families in names.values():
+        portable = portable.with_variant(own, *families)
+    return portable
+
+
+def _table_options(*, never_reuse_ids: bool = False) -> dict[str, Any]:
+    """The dialect options of a jobq table; ``never_reuse_ids``: ids are never handed out twice,
+    on the families whose primary key would (rowid_reuse: SQLite's AUTOINCREMENT)."""
+    out = {f"{e.family}_{k}": v for e in _ENGINES for k, v in e.table_options.items()}
+    if never_reuse_ids:
+        out |= {f"{e.family}_autoincrement": True for e in _ENGINES if e.rowid_reuse}
+    return out
+
+
+def _where_options(where: str) -> dict[str, str]:
+    """The dialect options of a partial index of the rows matching ``where`` (``{true}``: the
+    family's true_sql), for each family with partial indexes: option -> predicate."""
+    return {f"{e.family}_where": where.replace("{true}", e.true_sql) for e in _ENGINES if e.partial_indexes}
+
+
+def _scheme_hint(scheme: str) -> tuple[str, str] | None:
+    """The URL and extra the CLI suggests for a URL scheme SQLAlchemy cannot load."""
+    return next((e.url_hint for e in _ENGINES if scheme in e.url_schemes), None)
+
+
 #: Column types: the same column as each engine stores it best.
-_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-_TS = sa.DateTime().with_variant(_mysql.DATETIME(fsp=6), "mysql", "mariadb")
-# utf8mb4_bin: names compare case- and accent-sensitively on MySQL/MariaDB, as elsewhere.
-_NAME = sa.String(200).with_variant(
-    _mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-)
-_JSONCOL = sa.JSON().with_variant(_pg.JSONB(), "postgresql")
-_TEXT = sa.Text().with_variant(_mysql.MEDIUMTEXT(), "mysql", "mariadb")
+_ID = _column_type("id", sa.BigInteger())
+_TS = _column_type("ts", sa.DateTime())
+_NAME = _column_type("name", sa.String(200))
+_JSONCOL = _column_type("json", sa.JSON())
+_TEXT = _column_type("text", sa.Text())

@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import orm
 
-from .engines import _ID, _JSONCOL, _NAME, _TEXT, _TS, _facts, _when
+from .engines import _ID, _JSONCOL, _NAME, _TEXT, _TS, _facts, _table_options, _when, _where_options
 
 # Two tables carry the queue (`jobs`, `job_deps`) and one small table (`jobq_meta`) holds the
 # schema version and the row the capped claim locks. Times are naive UTC with microseconds on
@@ -37,17 +37,18 @@ class Base(orm.DeclarativeBase):
     """Declarative base holding jobq's tables (``Base.metadata`` for Alembic autogenerate)."""
 
 
-def _partial_index(name: str, *cols: Any, where: str, sqlite_where: str | None = None) -> sa.Index:
-    """An index of only the rows matching ``where``, on the engines with partial indexes
-    (PostgreSQL, SQLite). Queries must spell the predicate as the index does: SQLite matches
-    partial indexes by exact terms."""
+def _partial_index(name: str, *cols: Any, where: str, unique: bool = False) -> sa.Index:
+    """An index of only the rows matching ``where`` (``{true}``: a true boolean as each engine
+    spells it), on the engines with partial indexes. Queries must spell the predicate as the
+    index does: SQLite matches partial indexes by exact terms."""
     return sa.Index(  # type: ignore[no-any-return]
-        name, *cols, postgresql_where=sa.text(where), sqlite_where=sa.text(sqlite_where or where),
+        name, *cols, unique=unique, **{option: sa.text(pred) for option, pred in _where_options(where).items()},  # type: ignore[arg-type]
     ).ddl_if(callable_=_when("partial_indexes"))
 
 
-def _mysql_index(name: str, *cols: Any) -> sa.Index:
-    """The MySQL/MariaDB stand-in for a partial index (they have none): a plain composite."""
+def _stand_in_index(name: str, *cols: Any) -> sa.Index:
+    """The stand-in for a partial index on the engines without them (MySQL/MariaDB), whose
+    claim reads name their indexes (index_hints): a plain composite."""
     return sa.Index(name, *cols).ddl_if(callable_=_when("index_hints"))  # type: ignore[no-any-return]
 
 
@@ -130,7 +131,7 @@ class Job(Base):
         # it; MySQL/MariaDB lead with state instead. Keep in sync with _q_candidates,
         # _q_ready_groups and _upgrade_4_state (priority: schema 4).
         _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
-        _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
+        _stand_in_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
         # The claim's first question: is anything due at all? The ready index, ordered by
         # priority before run_after, cannot answer it without walking every job scheduled for
         # later; this one answers it from its first entry, so a tick with nothing due reads
@@ -139,20 +140,20 @@ class Job(Base):
         # group through it would visit every due job); MySQL/MariaDB's claim reads name their
         # index (d.ready_index_hint). Keep in sync with _q_any_due and _add_due_index.
         _partial_index("ix_jobs_due", "run_after", where=_DUE_WHERE),
-        _mysql_index("ix_jobs_due_my", "state", "run_after"),
+        _stand_in_index("ix_jobs_due_my", "state", "run_after"),
         # Cap accounting and reclaim read only in-flight rows. lease_expires is deliberately not
         # indexed: heartbeats rewrite it, and an indexed column would defeat PostgreSQL HOT.
         # The predicate is spelled exactly as the queries render `in_flight == true()`, so the
         # planners can prove the index applies (SQLite cannot match "in_flight" to "in_flight = 1").
-        _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = true", sqlite_where="in_flight = 1"),
-        _mysql_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
+        _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = {true}"),
+        _stand_in_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
         # Children by their container. Partial where possible (it replaces a full index in upgrade
         # step 5: _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
         # finish of such a job wrote an index entry for its NULL (a state change is no HOT update).
         # Every query names a parent (``parent_id = x`` or ``IN``), which the planners prove
         # implies the predicate. MySQL/MariaDB's index moves only when parent_id does.
         _partial_index("ix_jobs_children", "parent_id", where="parent_id IS NOT NULL"),
-        _mysql_index("ix_jobs_parent", "parent_id"),
+        _stand_in_index("ix_jobs_parent", "parent_id"),
         # Retention's scan (prune): finished rows by age. Partial where possible, so the hot
         # transitions between ready, leased and running never touch it (schema 2; a full
         # (state, finished_at) index took a new entry on every claim and lured PostgreSQL's
@@ -160,23 +161,22 @@ class Job(Base):
         # finished_at alone (NULL until a job finishes), so a claim's state change moves no
         # entry of it; _rekey_mysql_indexes replaces the (state, finished_at) index of before.
         _partial_index("ix_jobs_finished", "finished_at", where="state IN ('done', 'failed', 'cancelled')"),
-        _mysql_index("ix_jobs_finished_my", "finished_at"),
+        _stand_in_index("ix_jobs_finished_my", "finished_at"),
         # stats() counts blocked jobs through this (schema 2); on MySQL/MariaDB the state index.
         _partial_index("ix_jobs_waiting", "group_key", where="state = 'waiting'"),
         # Unique jobs (schema 4): one unfinished job per unique_key, enforced by the database so
         # that concurrent enqueuers cannot both insert. Keep the predicate in sync with
         # _UNIQUE_LIVE_WHERE (the insert's ON CONFLICT names it). MySQL/MariaDB: _DDL_UNIQUE_LIVE.
-        sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
-                 sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(callable_=_when("partial_indexes")),
+        _partial_index("ux_jobs_unique_live", "unique_key", where=_UNIQUE_LIVE_WHERE, unique=True),
         # Held spawns by their spawner (schema 4): release, discard and reclaim find them here;
         # released rows leave the partial index. Keep in sync with _q_held_spawns. MySQL/MariaDB:
         # spawned_by alone (it never changes), so state changes move no entry of it.
         _partial_index("ix_jobs_held", "spawned_by", where="state = 'held'"),
-        _mysql_index("ix_jobs_held_my", "spawned_by"),
+        _stand_in_index("ix_jobs_held_my", "spawned_by"),
         # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
         # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
         # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
-        {"mysql_engine": "InnoDB", "mariadb_engine": "InnoDB", "sqlite_autoincrement": True},
+        _table_options(never_reuse_ids=True),
     )
 
 
@@ -192,7 +192,7 @@ class JobDep(Base):
 
     __table_args__ = (
         sa.Index("ix_job_deps_upstream", "depends_on_id"),
-        {"mysql_engine": "InnoDB", "mariadb_engine": "InnoDB"},
+        _table_options(),
     )
 
 
@@ -201,8 +201,7 @@ _meta = sa.Table(
     Base.metadata,
     sa.Column("key", sa.String(64), primary_key=True),
     sa.Column("value", sa.String(200), nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # Slots still occupied by handlers a worker had to abandon (a timed-out thread cannot be
@@ -216,8 +215,7 @@ _slots = sa.Table(
     sa.Column("worker_id", sa.String(200), nullable=False),
     sa.Column("group_key", _NAME, nullable=False),
     sa.Column("expires", _TS, nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # One row per group per claim, counting the jobs it started: the memory behind fair-share turns
@@ -232,8 +230,7 @@ _starts = sa.Table(
     sa.Column("n", sa.Integer, nullable=False, server_default="1"),  # jobs this claim started (schema 2)
     sa.Index("ix_jobq_starts_group", "group_key", "started_at"),
     sa.Index("ix_jobq_starts_time", "started_at"),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # One row per attempt that ended (schema 4): kept apart from ``jobs.error``, which holds only
@@ -254,8 +251,7 @@ _attempts = sa.Table(
     sa.Column("outcome", sa.String(16), nullable=False),
     sa.Column("error", _TEXT, nullable=True),
     sa.Index("ix_jobq_attempts_job", "job_id", "id"),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # Group policy stored with set_group (issue 14): one row per group someone configured. NULL
@@ -273,8 +269,7 @@ _groups = sa.Table(
     sa.Column("rate_period", sa.Float, nullable=True),
     sa.Column("paused", sa.Boolean, nullable=False),
     sa.Column("updated_at", _TS, nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # Signals (schema 6): one row per key. ``sent_at`` is NULL while the key is only awaited: a
@@ -287,8 +282,7 @@ _signals = sa.Table(
     sa.Column("payload", _JSONCOL, nullable=True),
     sa.Column("sent_at", _TS, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # What a job's handler waited for (schema 6), kept for the job's life so that a re-run from
@@ -309,8 +303,7 @@ _waits = sa.Table(
     sa.Column("resolved", sa.String(16), nullable=True),
     sa.Column("n", sa.Integer, nullable=False, server_default="0"),
     sa.Index("ix_jobq_waits_key", "kind", "name", "waiting"),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 #: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes

@@ -46,7 +46,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TYPE_CHECKING, TypeVar
+from typing import Any, ClassVar, TYPE_CHECKING, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, orm
@@ -401,13 +401,11 @@ class Snooze(_Unwind):
 # ==============================================================================================
 # jobq/engines.py
 # ==============================================================================================
-# The engine families jobq runs on and their facts: which one a SQLAlchemy dialect is, what
-# each can do (_Engine), and the column types that differ between them. The only module, with the
-# drivers built on it, that names an engine.
-
-_MIN_VERSIONS = {"postgresql": (12,), "mysql": (8, 0, 1), "mariadb": (10, 6)}
-#: Every engine family jobq runs on, as its messages name it.
-_ENGINE_LABELS = {"sqlite": "SQLite", "postgresql": "PostgreSQL", "mysql": "MySQL", "mariadb": "MariaDB"}
+# The engine families jobq runs on, one class each: what the engine is (its label, the oldest
+# version jobq supports, its facts, the column types and table options it stores best). The
+# drivers (jobq/drivers.py) subclass these with how jobq drives each one; the schema and the
+# statements' compile hooks ask these classes (_ENGINES), never an engine's name. With the
+# drivers, the only module that names an engine.
 
 _SCHEMA_LOCK_ID = 0x6A6F6271
 _SCHEMA_LOCK_NAME = "jobq_schema"
@@ -416,11 +414,14 @@ _SCHEMA_LOCK_NAME = "jobq_schema"
 @dataclasses.dataclass(frozen=True)
 class _Engine:
     """What jobq needs to know about one engine family, as facts: runtime code asks a question
-    (``d.returning``) instead of testing a name. The drivers' _Dialect adds the behaviour on top;
-    the schema and the statements' compile hooks ask these facts directly (_facts)."""
+    (``d.returning``) instead of testing a name. Each family is a subclass (_SQLite, ...) that
+    overrides the facts that differ from these defaults, as annotated fields; its driver
+    (jobq/drivers.py) adds the behaviour; the schema and the statements' compile hooks ask the
+    facts directly (_facts). An instance is one engine at one server version (_at)."""
 
-    family: str  # "postgresql" | "mysql" | "mariadb" | "sqlite": for messages and cache keys only
-    version: tuple[int, ...]
+    #: The SQLAlchemy dialect's name, which names the family in cache keys and dialect options.
+    family: str = ""
+    version: tuple[int, ...] = ()
     #: INSERT ... RETURNING (Oracle MySQL has none: see insert_block).
     returning: bool = True
     #: CREATE INDEX ... WHERE (PostgreSQL, SQLite); the others index every row.
@@ -532,11 +533,163 @@ class _Engine:
     #: fails only its INSERT statement (1062), and the transaction goes on.
     on_conflict: Any = None
 
+    #: How jobq's messages name the family.
+    label: ClassVar[str] = ""
+    #: The oldest version jobq runs on, and why (said when an older one is found).
+    min_version: ClassVar[tuple[int, ...]] = ()
+    floor_reason: ClassVar[str] = " (for FOR UPDATE SKIP LOCKED)"
+    #: Column types stored differently from the portable ones, by role ("id", "ts", "name",
+    #: "json", "text": the columns _column_type builds).
+    column_types: ClassVar[Mapping[str, Any]] = {}
+    #: Table options every jobq table carries (the dialect's own keywords, without its prefix).
+    table_options: ClassVar[Mapping[str, Any]] = {}
+    #: How a partial index predicate spells a true boolean (``{true}`` in _where_options): as the
+    #: engine renders ``col == true()``, which its planner must match term for term.
+    true_sql: ClassVar[str] = "true"
+    #: URL schemes a user may write for this family, and the URL (with the driver jobq's extra
+    #: installs) and the extra that the CLI suggests when SQLAlchemy cannot load the scheme.
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+    url_hint: ClassVar[tuple[str, str] | None] = None
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        # A fact set without its annotation would stay the base's default (the dataclass field
+        # of _Engine, not this class attribute, sets the instance's value): refuse it.
+        super().__init_subclass__(**kw)
+        declared = vars(cls).get("__annotations__", {})
+        inherited = {n for base in cls.__mro__[1:] for n in vars(base).get("__dataclass_fields__", {})}
+        unannotated = sorted(n for n in vars(cls) if n in inherited and n not in declared)
+        if unannotated:
+            raise TypeError(f"{cls.__name__}: annotate the facts {unannotated} (as _Engine declares them)")
+
+    @classmethod
+    def _at(cls, version: tuple[int, ...]) -> Any:
+        """This family at a server version (the facts a version decides: _version_facts)."""
+        return cls(version=version, **cls._version_facts(version))
+
+    @classmethod
+    def _version_facts(cls, version: tuple[int, ...]) -> dict[str, Any]:
+        """The facts that depend on the server's version (none unless a family says so)."""
+        return {}
+
     @property
     def generated_live_key(self) -> bool:
         """Whether unique keys are held by a generated column (unique_live) under a plain unique
         index, for engines without partial indexes."""
         return self.live_key_column == "unique_live"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SQLite(_Engine):
+    """Embedded: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock."""
+
+    family: str = "sqlite"
+    partial_indexes: bool = True
+    local_clock: bool = True
+    row_locks: bool = False
+    isolation: str | None = None
+    rowid_reuse: bool = True
+    on_conflict: Any = _sqlite.insert
+    compound_limits: bool = False
+    span_first: bool = True
+    label: ClassVar[str] = "SQLite"
+    min_version: ClassVar[tuple[int, ...]] = (3, 25)
+    floor_reason: ClassVar[str] = ""
+    column_types: ClassVar[Mapping[str, Any]] = {"id": sa.Integer()}
+    true_sql: ClassVar[str] = "1"
+
+    @classmethod
+    def _version_facts(cls, version: tuple[int, ...]) -> dict[str, Any]:
+        # json_each() and the -> operators: SQLite 3.38
+        return dict(json_id_lists=version >= (3, 38), scan_reads_window=version >= (3, 38))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PostgreSQL(_Engine):
+    family: str = "postgresql"
+    partial_indexes: bool = True
+    array_params: bool = True
+    dml_ctes: bool = True
+    notify_listen: bool = True
+    on_conflict: Any = _pg.insert
+    key_share_locks: bool = True
+    lateral_arrays: bool = True
+    scan_reads_window: bool = True
+    now_sql: str | None = "SELECT clock_timestamp() AT TIME ZONE 'UTC'"
+    # serialization failure, deadlock, lock_not_available
+    retry_codes: frozenset[Any] = frozenset({"40001", "40P01", "55P03"})
+    tunable: bool = True
+    span_first: bool = True
+    lateral_edges: bool = True
+    schema_lock: tuple[str, str | None] | None = (f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None)
+    label: ClassVar[str] = "PostgreSQL"
+    min_version: ClassVar[tuple[int, ...]] = (12,)
+    column_types: ClassVar[Mapping[str, Any]] = {"json": _pg.JSONB()}
+    url_schemes: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
+    url_hint: ClassVar[tuple[str, str] | None] = ("postgresql+psycopg", "postgres")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MySQL(_Engine):
+    """Oracle MySQL 8+: no RETURNING, no partial indexes (plain composite stand-ins, named by
+    hints), DDL that commits implicitly."""
+
+    family: str = "mysql"
+    returning: bool = False
+    isolation_stmt: bool = True
+    now_sql: str | None = "SELECT UTC_TIMESTAMP(6)"
+    # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
+    # statement was rolled back: _transaction rolls back the rest before retrying).
+    retry_codes: frozenset[Any] = frozenset({1213, 1205})
+    pad_space: bool = True
+    schema_lock: tuple[str, str | None] | None = (f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
+                                                  f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')")
+    recursion_hint: str = "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ "
+    ordered_join: str = "STRAIGHT_JOIN"
+    live_key_column: str = "unique_live"
+    ranged_group_scan: bool = True
+    ready_index_hint: str = "FORCE INDEX (ix_jobs_ready_my)"
+    parent_fk: bool = False
+    index_hints: bool = True
+    literal_int_lists: bool = True
+    span_first: bool = True
+    label: ClassVar[str] = "MySQL"
+    min_version: ClassVar[tuple[int, ...]] = (8, 0, 1)
+    # utf8mb4_bin: names compare case- and accent-sensitively, as elsewhere.
+    column_types: ClassVar[Mapping[str, Any]] = {
+        "ts": _mysql.DATETIME(fsp=6),
+        "name": _mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"),
+        "text": _mysql.MEDIUMTEXT(),
+    }
+    table_options: ClassVar[Mapping[str, Any]] = {"engine": "InnoDB"}
+    url_schemes: ClassVar[tuple[str, ...]] = ("mysql",)
+    url_hint: ClassVar[tuple[str, str] | None] = ("mysql+pymysql", "mysql")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MariaDB(_MySQL):
+    """MariaDB 10.6+: MySQL's facts, with RETURNING, the parent foreign key, and its own
+    recursion limit (max_recursive_iterations, 1,000 by default, and no SET_VAR: the claim's
+    scans ask for at most 501 groups each, _GroupScan)."""
+
+    family: str = "mariadb"
+    returning: bool = True
+    json_max_depth: int | None = 32
+    recursion_hint: str = ""
+    recursion_prefix: str = "SET STATEMENT max_recursive_iterations = 4294967295 FOR "
+    parent_fk: bool = True
+    label: ClassVar[str] = "MariaDB"
+    min_version: ClassVar[tuple[int, ...]] = (10, 6)
+    url_schemes: ClassVar[tuple[str, ...]] = ("mariadb",)
+    url_hint: ClassVar[tuple[str, str] | None] = ("mariadb+pymysql", "mysql")
+
+
+#: Every engine family jobq runs on, in the order messages list them. Adding an engine is a
+#: class above and its driver (jobq/drivers.py, _DRIVERS).
+_ENGINES: tuple[type[_Engine], ...] = (_SQLite, _PostgreSQL, _MySQL, _MariaDB)
+_BY_FAMILY: dict[str, type[_Engine]] = {e.family: e for e in _ENGINES}
+#: The oldest version of each family, and its label (derived: kept for the docs and tests).
+_MIN_VERSIONS = {e.family: e.min_version for e in _ENGINES}
+_ENGINE_LABELS = {e.family: e.label for e in _ENGINES}
 
 
 def _family(dialect: sa.Dialect) -> str:
@@ -546,42 +699,18 @@ def _family(dialect: sa.Dialect) -> str:
 
 
 def _engine_facts(family: str, version: tuple[int, ...]) -> dict[str, Any]:
-    """One row per engine family: every fact jobq branches on is decided here (the fields
-    of _Engine that differ from their defaults). Adding an engine is one more row."""
-    if family == "postgresql":
-        return dict(partial_indexes=True, array_params=True, dml_ctes=True, notify_listen=True,
-                        on_conflict=_pg.insert, key_share_locks=True, lateral_arrays=True, scan_reads_window=True,
-                        now_sql="SELECT clock_timestamp() AT TIME ZONE 'UTC'",
-                        # serialization failure, deadlock, lock_not_available
-                        retry_codes=frozenset({"40001", "40P01", "55P03"}), tunable=True, span_first=True, lateral_edges=True,
-                        schema_lock=(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_ID})", None))
-    if family in ("mysql", "mariadb"):
-        # 1213 deadlock (InnoDB rolled back the transaction), 1205 lock wait timeout (only the
-        # statement was rolled back: _transaction rolls back the rest before retrying).
-        # MariaDB's own limit (max_recursive_iterations) is 1,000 by default and it has no
-        # SET_VAR: the claim's scans ask for at most 501 groups each (_GroupScan).
-        return dict(returning=family == "mariadb", isolation_stmt=True,
-                        now_sql="SELECT UTC_TIMESTAMP(6)", retry_codes=frozenset({1213, 1205}),
-                        json_max_depth=32 if family == "mariadb" else None, pad_space=True,
-                        schema_lock=(f"SELECT GET_LOCK('{_SCHEMA_LOCK_NAME}', 600)",
-                                     f"SELECT RELEASE_LOCK('{_SCHEMA_LOCK_NAME}')"),
-                        recursion_hint="" if family == "mariadb" else
-                        "/*+ SET_VAR(cte_max_recursion_depth = 4294967295) */ ",
-                        recursion_prefix="SET STATEMENT max_recursive_iterations = 4294967295 FOR "
-                        if family == "mariadb" else "", ordered_join="STRAIGHT_JOIN",
-                        live_key_column="unique_live", ranged_group_scan=True,
-                        ready_index_hint="FORCE INDEX (ix_jobs_ready_my)", parent_fk=family == "mariadb",
-                        index_hints=True, literal_int_lists=True, span_first=True)
-    # SQLite: one writer at a time (BEGIN IMMEDIATE), serialisable, this machine's clock.
-    return dict(partial_indexes=True, local_clock=True, row_locks=False, isolation=None,
-                    rowid_reuse=True, on_conflict=_sqlite.insert, compound_limits=False,
-                    json_id_lists=version >= (3, 38), scan_reads_window=version >= (3, 38), span_first=True)
+    """The facts of a family at a version that differ from _Engine's defaults."""
+    got = _BY_FAMILY[family]._at(version)
+    return {f.name: getattr(got, f.name) for f in dataclasses.fields(_Engine)
+            if f.name not in ("family", "version") and getattr(got, f.name) != f.default}
 
 
 @functools.cache
 def _family_facts(family: str) -> _Engine:
-    """The facts of a family that no server version changes (for DDL and compile hooks)."""
-    return _Engine(family, (), **_engine_facts(family, ()))
+    """The facts of a family that no server version changes (for DDL and compile hooks); an
+    engine jobq does not know (SQLAlchemy's default dialect, for str(stmt)) has the defaults."""
+    cls = _BY_FAMILY.get(family)
+    return cls._at(()) if cls is not None else _Engine(family)
 
 
 def _facts(dialect: sa.Dialect) -> _Engine:
@@ -594,15 +723,43 @@ def _when(fact: str) -> Any:
     return lambda *a, dialect, **kw: bool(getattr(_facts(dialect), fact))
 
 
+def _column_type(role: str, portable: Any) -> Any:
+    """``portable``, with each family's own type for ``role`` (column_types) as its variant."""
+    names: dict[int, tuple[Any, list[str]]] = {}
+    for e in _ENGINES:
+        if role in e.column_types:
+            names.setdefault(id(e.column_types[role]), (e.column_types[role], []))[1].append(e.family)
+    for own, families in names.values():
+        portable = portable.with_variant(own, *families)
+    return portable
+
+
+def _table_options(*, never_reuse_ids: bool = False) -> dict[str, Any]:
+    """The dialect options of a jobq table; ``never_reuse_ids``: ids are never handed out twice,
+    on the families whose primary key would (rowid_reuse: SQLite's AUTOINCREMENT)."""
+    out = {f"{e.family}_{k}": v for e in _ENGINES for k, v in e.table_options.items()}
+    if never_reuse_ids:
+        out |= {f"{e.family}_autoincrement": True for e in _ENGINES if e.rowid_reuse}
+    return out
+
+
+def _where_options(where: str) -> dict[str, str]:
+    """The dialect options of a partial index of the rows matching ``where`` (``{true}``: the
+    family's true_sql), for each family with partial indexes: option -> predicate."""
+    return {f"{e.family}_where": where.replace("{true}", e.true_sql) for e in _ENGINES if e.partial_indexes}
+
+
+def _scheme_hint(scheme: str) -> tuple[str, str] | None:
+    """The URL and extra the CLI suggests for a URL scheme SQLAlchemy cannot load."""
+    return next((e.url_hint for e in _ENGINES if scheme in e.url_schemes), None)
+
+
 #: Column types: the same column as each engine stores it best.
-_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-_TS = sa.DateTime().with_variant(_mysql.DATETIME(fsp=6), "mysql", "mariadb")
-# utf8mb4_bin: names compare case- and accent-sensitively on MySQL/MariaDB, as elsewhere.
-_NAME = sa.String(200).with_variant(
-    _mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-)
-_JSONCOL = sa.JSON().with_variant(_pg.JSONB(), "postgresql")
-_TEXT = sa.Text().with_variant(_mysql.MEDIUMTEXT(), "mysql", "mariadb")
+_ID = _column_type("id", sa.BigInteger())
+_TS = _column_type("ts", sa.DateTime())
+_NAME = _column_type("name", sa.String(200))
+_JSONCOL = _column_type("json", sa.JSON())
+_TEXT = _column_type("text", sa.Text())
 
 
 # ==============================================================================================
@@ -636,17 +793,18 @@ class Base(orm.DeclarativeBase):
     """Declarative base holding jobq's tables (``Base.metadata`` for Alembic autogenerate)."""
 
 
-def _partial_index(name: str, *cols: Any, where: str, sqlite_where: str | None = None) -> sa.Index:
-    """An index of only the rows matching ``where``, on the engines with partial indexes
-    (PostgreSQL, SQLite). Queries must spell the predicate as the index does: SQLite matches
-    partial indexes by exact terms."""
+def _partial_index(name: str, *cols: Any, where: str, unique: bool = False) -> sa.Index:
+    """An index of only the rows matching ``where`` (``{true}``: a true boolean as each engine
+    spells it), on the engines with partial indexes. Queries must spell the predicate as the
+    index does: SQLite matches partial indexes by exact terms."""
     return sa.Index(  # type: ignore[no-any-return]
-        name, *cols, postgresql_where=sa.text(where), sqlite_where=sa.text(sqlite_where or where),
+        name, *cols, unique=unique, **{option: sa.text(pred) for option, pred in _where_options(where).items()},  # type: ignore[arg-type]
     ).ddl_if(callable_=_when("partial_indexes"))
 
 
-def _mysql_index(name: str, *cols: Any) -> sa.Index:
-    """The MySQL/MariaDB stand-in for a partial index (they have none): a plain composite."""
+def _stand_in_index(name: str, *cols: Any) -> sa.Index:
+    """The stand-in for a partial index on the engines without them (MySQL/MariaDB), whose
+    claim reads name their indexes (index_hints): a plain composite."""
     return sa.Index(name, *cols).ddl_if(callable_=_when("index_hints"))  # type: ignore[no-any-return]
 
 
@@ -729,7 +887,7 @@ class Job(Base):
         # it; MySQL/MariaDB lead with state instead. Keep in sync with _q_candidates,
         # _q_ready_groups and _upgrade_4_state (priority: schema 4).
         _partial_index("ix_jobs_ready", "group_key", _PRIORITY_DESC, "run_after", "id", where="state = 'ready'"),
-        _mysql_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
+        _stand_in_index("ix_jobs_ready_my", "state", "group_key", _PRIORITY_DESC, "run_after", "id"),
         # The claim's first question: is anything due at all? The ready index, ordered by
         # priority before run_after, cannot answer it without walking every job scheduled for
         # later; this one answers it from its first entry, so a tick with nothing due reads
@@ -738,20 +896,20 @@ class Job(Base):
         # group through it would visit every due job); MySQL/MariaDB's claim reads name their
         # index (d.ready_index_hint). Keep in sync with _q_any_due and _add_due_index.
         _partial_index("ix_jobs_due", "run_after", where=_DUE_WHERE),
-        _mysql_index("ix_jobs_due_my", "state", "run_after"),
+        _stand_in_index("ix_jobs_due_my", "state", "run_after"),
         # Cap accounting and reclaim read only in-flight rows. lease_expires is deliberately not
         # indexed: heartbeats rewrite it, and an indexed column would defeat PostgreSQL HOT.
         # The predicate is spelled exactly as the queries render `in_flight == true()`, so the
         # planners can prove the index applies (SQLite cannot match "in_flight" to "in_flight = 1").
-        _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = true", sqlite_where="in_flight = 1"),
-        _mysql_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
+        _partial_index("ix_jobs_in_flight", "group_key", where="in_flight = {true}"),
+        _stand_in_index("ix_jobs_in_flight_my", "in_flight", "group_key"),
         # Children by their container. Partial where possible (it replaces a full index in upgrade
         # step 5: _rekey_parent_index): most jobs have no parent, and on PostgreSQL every claim and every
         # finish of such a job wrote an index entry for its NULL (a state change is no HOT update).
         # Every query names a parent (``parent_id = x`` or ``IN``), which the planners prove
         # implies the predicate. MySQL/MariaDB's index moves only when parent_id does.
         _partial_index("ix_jobs_children", "parent_id", where="parent_id IS NOT NULL"),
-        _mysql_index("ix_jobs_parent", "parent_id"),
+        _stand_in_index("ix_jobs_parent", "parent_id"),
         # Retention's scan (prune): finished rows by age. Partial where possible, so the hot
         # transitions between ready, leased and running never touch it (schema 2; a full
         # (state, finished_at) index took a new entry on every claim and lured PostgreSQL's
@@ -759,23 +917,22 @@ class Job(Base):
         # finished_at alone (NULL until a job finishes), so a claim's state change moves no
         # entry of it; _rekey_mysql_indexes replaces the (state, finished_at) index of before.
         _partial_index("ix_jobs_finished", "finished_at", where="state IN ('done', 'failed', 'cancelled')"),
-        _mysql_index("ix_jobs_finished_my", "finished_at"),
+        _stand_in_index("ix_jobs_finished_my", "finished_at"),
         # stats() counts blocked jobs through this (schema 2); on MySQL/MariaDB the state index.
         _partial_index("ix_jobs_waiting", "group_key", where="state = 'waiting'"),
         # Unique jobs (schema 4): one unfinished job per unique_key, enforced by the database so
         # that concurrent enqueuers cannot both insert. Keep the predicate in sync with
         # _UNIQUE_LIVE_WHERE (the insert's ON CONFLICT names it). MySQL/MariaDB: _DDL_UNIQUE_LIVE.
-        sa.Index("ux_jobs_unique_live", "unique_key", unique=True, postgresql_where=sa.text(_UNIQUE_LIVE_WHERE),
-                 sqlite_where=sa.text(_UNIQUE_LIVE_WHERE)).ddl_if(callable_=_when("partial_indexes")),
+        _partial_index("ux_jobs_unique_live", "unique_key", where=_UNIQUE_LIVE_WHERE, unique=True),
         # Held spawns by their spawner (schema 4): release, discard and reclaim find them here;
         # released rows leave the partial index. Keep in sync with _q_held_spawns. MySQL/MariaDB:
         # spawned_by alone (it never changes), so state changes move no entry of it.
         _partial_index("ix_jobs_held", "spawned_by", where="state = 'held'"),
-        _mysql_index("ix_jobs_held_my", "spawned_by"),
+        _stand_in_index("ix_jobs_held_my", "spawned_by"),
         # Ids are never handed out twice (schema 3): without AUTOINCREMENT SQLite gives a new
         # row the largest id + 1, so pruning the newest jobs reused their ids, and a later
         # depends_on=[old_id] waited on a stranger. _upgrade rebuilds older SQLite tables.
-        {"mysql_engine": "InnoDB", "mariadb_engine": "InnoDB", "sqlite_autoincrement": True},
+        _table_options(never_reuse_ids=True),
     )
 
 
@@ -791,7 +948,7 @@ class JobDep(Base):
 
     __table_args__ = (
         sa.Index("ix_job_deps_upstream", "depends_on_id"),
-        {"mysql_engine": "InnoDB", "mariadb_engine": "InnoDB"},
+        _table_options(),
     )
 
 
@@ -800,8 +957,7 @@ _meta = sa.Table(
     Base.metadata,
     sa.Column("key", sa.String(64), primary_key=True),
     sa.Column("value", sa.String(200), nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # Slots still occupied by handlers a worker had to abandon (a timed-out thread cannot be
@@ -815,8 +971,7 @@ _slots = sa.Table(
     sa.Column("worker_id", sa.String(200), nullable=False),
     sa.Column("group_key", _NAME, nullable=False),
     sa.Column("expires", _TS, nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # One row per group per claim, counting the jobs it started: the memory behind fair-share turns
@@ -831,8 +986,7 @@ _starts = sa.Table(
     sa.Column("n", sa.Integer, nullable=False, server_default="1"),  # jobs this claim started (schema 2)
     sa.Index("ix_jobq_starts_group", "group_key", "started_at"),
     sa.Index("ix_jobq_starts_time", "started_at"),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # One row per attempt that ended (schema 4): kept apart from ``jobs.error``, which holds only
@@ -853,8 +1007,7 @@ _attempts = sa.Table(
     sa.Column("outcome", sa.String(16), nullable=False),
     sa.Column("error", _TEXT, nullable=True),
     sa.Index("ix_jobq_attempts_job", "job_id", "id"),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # Group policy stored with set_group (issue 14): one row per group someone configured. NULL
@@ -872,8 +1025,7 @@ _groups = sa.Table(
     sa.Column("rate_period", sa.Float, nullable=True),
     sa.Column("paused", sa.Boolean, nullable=False),
     sa.Column("updated_at", _TS, nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # Signals (schema 6): one row per key. ``sent_at`` is NULL while the key is only awaited: a
@@ -886,8 +1038,7 @@ _signals = sa.Table(
     sa.Column("payload", _JSONCOL, nullable=True),
     sa.Column("sent_at", _TS, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 # What a job's handler waited for (schema 6), kept for the job's life so that a re-run from
@@ -908,8 +1059,7 @@ _waits = sa.Table(
     sa.Column("resolved", sa.String(16), nullable=True),
     sa.Column("n", sa.Integer, nullable=False, server_default="0"),
     sa.Index("ix_jobq_waits_key", "kind", "name", "waiting"),
-    mysql_engine="InnoDB",
-    mariadb_engine="InnoDB",
+    **_table_options(),
 )
 
 #: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes
@@ -9594,8 +9744,7 @@ def _url_secrets(raw: str) -> list[str]:
 def _url_hint(raw: str) -> str:
     """The URL a new user most likely meant, for a scheme without a driver SQLAlchemy cannot
     load ("postgres://", "mysql://" without MySQLdb): jobq's extras install psycopg and PyMySQL."""
-    meant = {"postgres": ("postgresql+psycopg", "postgres"), "postgresql": ("postgresql+psycopg", "postgres"),
-             "mysql": ("mysql+pymysql", "mysql"), "mariadb": ("mariadb+pymysql", "mysql")}.get(raw.partition("://")[0].lower())
+    meant = _scheme_hint(raw.partition("://")[0].lower())
     if meant is None:
         return ""
     return f" (use {meant[0]}://...: the driver jobq's {meant[1]} extra installs)"
