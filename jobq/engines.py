@@ -308,13 +308,6 @@ def _family(dialect: sa.Dialect) -> str:
     return "mariadb" if dialect.name == "mariadb" or getattr(dialect, "is_mariadb", False) else dialect.name
 
 
-def _engine_facts(family: str, version: tuple[int, ...]) -> dict[str, Any]:
-    """The facts of a family at a version that differ from _Engine's defaults."""
-    got = _BY_FAMILY[family]._at(version)
-    return {f.name: getattr(got, f.name) for f in dataclasses.fields(_Engine)
-            if f.name not in ("family", "version") and getattr(got, f.name) != f.default}
-
-
 @functools.cache
 def _family_facts(family: str) -> _Engine:
     """The facts of a family that no server version changes (for DDL and compile hooks); an

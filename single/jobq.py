@@ -698,13 +698,6 @@ def _family(dialect: sa.Dialect) -> str:
     return "mariadb" if dialect.name == "mariadb" or getattr(dialect, "is_mariadb", False) else dialect.name
 
 
-def _engine_facts(family: str, version: tuple[int, ...]) -> dict[str, Any]:
-    """The facts of a family at a version that differ from _Engine's defaults."""
-    got = _BY_FAMILY[family]._at(version)
-    return {f.name: getattr(got, f.name) for f in dataclasses.fields(_Engine)
-            if f.name not in ("family", "version") and getattr(got, f.name) != f.default}
-
-
 @functools.cache
 def _family_facts(family: str) -> _Engine:
     """The facts of a family that no server version changes (for DDL and compile hooks); an
@@ -2581,18 +2574,22 @@ def _hot_rowcount(conn: Connection, stmt: Any, params: Mapping[str, Any] | None)
 # ==============================================================================================
 # jobq/drivers.py
 # ==============================================================================================
-# What differs between engines: the capabilities of each (_Dialect, decided once per engine by
-# _prepare), connections and transactions with their retry rules, SQLite's lock file and wake-up.
+# The drivers: one class per engine family (_DRIVERS), on its facts (jobq/engines.py), with the
+# behaviour that differs: how rows are locked, how a keyed or multi-row insert gets its ids, how a
+# transaction opens and which errors rerun it, SQLite's lock file and wake-up, PostgreSQL's
+# wake-ups and planner settings. Then connections and transactions (_prepare, _transaction).
 
-# The only place that branches on the database. Each engine is inspected once (_prepare) and
-# described by a _Dialect: how to lock rows for a claim, which isolation level jobq's
-# transactions use, how to read the database clock, and which errors are worth a retry.
+# Each engine is inspected once (_prepare) and described by its family's driver: how to lock
+# rows for a claim, which isolation level jobq's transactions use, how to read the database
+# clock, and which errors are worth a retry.
 
 
 @dataclasses.dataclass(frozen=True)
 class _Dialect(_Engine):
-    """One engine as jobq drives it: the family's facts (_Engine), decided once by _prepare
-    (_capabilities), and the behaviour that differs, as methods that read them."""
+    """One engine as jobq drives it: the base of the drivers, with the behaviour the families
+    share. A family's driver (_SQLiteDriver, ...) is its facts class (jobq/engines.py) with this,
+    overriding what it does differently; an instance is one engine at its server version,
+    decided once by _prepare (_capabilities)."""
 
     @property
     def statement_key(self) -> str:
@@ -2602,8 +2599,6 @@ class _Dialect(_Engine):
 
     def lock_skip(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Exclusive row locks that skip rows another transaction holds (the claim read)."""
-        if not self.row_locks:
-            return stmt  # SQLite: BEGIN IMMEDIATE already holds the database's write lock
         # PostgreSQL: FOR NO KEY UPDATE: plain FOR UPDATE would block inserts of job_deps rows
         # whose foreign key references the claimed job. MySQL/MariaDB: exclusive only, since
         # SQLAlchemy renders read=True+skip_locked as "LOCK IN SHARE MODE SKIP LOCKED", which
@@ -2613,8 +2608,6 @@ class _Dialect(_Engine):
     def lock_wait(self, stmt: sa.Select[Any], *, via: str | None = None) -> sa.Select[Any]:
         """Exclusive row locks that wait (the cap's serialisation point). Rows named by id are
         read by the primary key, others through the index ``via`` (see index_hints)."""
-        if not self.row_locks:
-            return stmt
         if via is None and _pins_ids(stmt.whereclause):
             via = "PRIMARY"
         if via is not None and self.index_hints:
@@ -2623,14 +2616,12 @@ class _Dialect(_Engine):
 
     def lock_share(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
         """Shared row locks: upstream rows read by enqueue, so a concurrent finalize waits."""
-        return stmt.with_for_update(read=True) if self.row_locks else stmt
+        return stmt.with_for_update(read=True)
 
     def db_now(self, conn: Connection, *, wake: bool = False) -> _dt.datetime:
         """The database's current time, naive UTC, microsecond precision. With ``wake``, the
         same statement also queues :meth:`notify`'s wake-up (one round trip fewer for an
         enqueue whose jobs are all born ready)."""
-        if self.now_sql is None:  # embedded: the database's clock is this machine's clock
-            return _utcnow()
         if wake and self._wakes(conn):
             got = _hot_rows(conn, _q_db_now_notify(self), {"b_channel": PG_NOTIFY_CHANNEL})
             self._woken(conn)
@@ -2667,15 +2658,7 @@ class _Dialect(_Engine):
         conn.info["jobq_pinned"] = conn.get_transaction()
 
     def tune_tables(self, conn: Connection) -> None:
-        """Storage settings for a high-churn queue table (PostgreSQL): room on each page for
-        HOT updates (heartbeats and finalizes rewrite rows in place when no indexed column
-        changes and the page has space), and autovacuum that starts early instead of after 20%
-        of a large table has turned into dead rows."""
-        if self.tunable:
-            conn.exec_driver_sql(
-                "ALTER TABLE jobs SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02, "
-                "autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_limit = 2000)"
-            )
+        """Storage settings for a high-churn queue table, set by create_schema (none by default)."""
 
     def notify(self, conn: Connection) -> None:
         """Wake listening workers when this transaction commits (PostgreSQL only; a rollback
@@ -2698,14 +2681,8 @@ class _Dialect(_Engine):
         conn.info["jobq_woken"] = conn.get_nested_transaction() or conn.get_transaction()
 
     def begin(self, conn: Connection) -> None:
-        """Statements that open each jobq transaction (MySQL/MariaDB: its isolation level)."""
-        if self.isolation_stmt and self.isolation:
-            # For this transaction only, as a statement inside it. The session-level setting
-            # (execution_options) is undone by the pool when the connection is checked in,
-            # with a round trip outside any error handling: a cut landing between commit and
-            # close raised the driver's raw error out of close(), after the commit, and leaked
-            # the pool slot.
-            conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}")
+        """Statements that open each jobq transaction (none by default: the isolation level
+        goes with BEGIN, as an execution option, unless isolation_stmt)."""
 
     def live_keys(self, conn: Connection, keys: Sequence[str]) -> dict[str, int]:
         """The unfinished jobs holding these unique keys: key -> id. A locking read: it waits
@@ -2718,17 +2695,11 @@ class _Dialect(_Engine):
     def insert_unique(self, conn: Connection, row: Mapping[str, Any]) -> int | None:
         """Insert one job row that has a unique_key; None when an unfinished job already holds
         the key (a concurrent transaction committed it after this one looked). Never writes a
-        duplicate, and leaves the transaction usable."""
-        if self.on_conflict is not None:
-            stmt = _prebuilt(self, "insert_unique", lambda: self.on_conflict(_jobs).on_conflict_do_nothing(
-                index_elements=[_c.unique_key], index_where=sa.text(_UNIQUE_LIVE_WHERE)).returning(_c.id))
-            return conn.execute(stmt, dict(row)).scalar()
-        try:
-            return int(conn.execute(_Q_INSERT_JOB, dict(row)).inserted_primary_key[0])  # type: ignore[index]
-        except sa.exc.IntegrityError as exc:
-            if getattr(exc.orig, "args", (None,))[0] == 1062:  # ER_DUP_ENTRY: only this statement failed
-                return None
-            raise
+        duplicate, and leaves the transaction usable. Here: INSERT ... ON CONFLICT DO NOTHING
+        against the partial unique index (on_conflict)."""
+        stmt = _prebuilt(self, "insert_unique", lambda: self.on_conflict(_jobs).on_conflict_do_nothing(
+            index_elements=[_c.unique_key], index_where=sa.text(_UNIQUE_LIVE_WHERE)).returning(_c.id))
+        return conn.execute(stmt, dict(row)).scalar()  # type: ignore[no-any-return]
 
     def insert_signal_key(self, conn: Connection, key: str, now: _dt.datetime) -> None:
         """Make sure jobq_signals has a row for ``key`` (an awaited-only one, sent_at NULL, if
@@ -2743,6 +2714,144 @@ class _Dialect(_Engine):
         except sa.exc.IntegrityError as exc:
             if getattr(exc.orig, "args", (None,))[0] != 1062:  # ER_DUP_ENTRY
                 raise
+
+    def insert_block(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Insert job rows and return their ids in order, on an engine without RETURNING (its
+        driver gives this; _insert_rows calls it only there)."""
+        raise NotImplementedError(f"{type(self).__name__}: an engine without RETURNING needs insert_block")
+
+    def retryable(self, exc: BaseException) -> bool:
+        """Errors after which the whole transaction was (or must be) rolled back and may rerun:
+        those whose code is one of retry_codes."""
+        orig = getattr(exc, "orig", None)
+        # psycopg names a SQLSTATE; PyMySQL an errno first in args (and, in recent versions,
+        # a SQLSTATE too: 1213 carries '40001', 1205 'HY000'), so look at every code given.
+        args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+        codes = {getattr(orig, "sqlstate", None), getattr(orig, "pgcode", None), args[0] if args else None}
+        return bool(codes & self.retry_codes)
+
+    # ---- the engine, before and around connections (class-level: decided before a driver exists)
+
+    @classmethod
+    def server_version(cls, engine: Engine) -> tuple[int, ...]:
+        """The version of the engine behind ``engine``. A server's is known once a connection
+        has been made (_server_version)."""
+        return _server_version(engine)
+
+    @classmethod
+    def install(cls, engine: Engine) -> None:
+        """Hooks on a new engine, once, before its first jobq transaction (none by default)."""
+
+    @classmethod
+    def listens(cls, engine: Engine) -> bool:
+        """Whether Worker(listen=True) can LISTEN through this engine (no by default)."""
+        return False
+
+    @classmethod
+    def missing_file(cls, engine: Engine) -> str | None:
+        """The path of an embedded database file that does not exist yet (a connection there
+        would create an empty file: the CLI refuses that for a mistyped path); None by default."""
+        return None
+
+    def writer(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
+        """What a writing transaction holds around its connection (nothing by default: the
+        server's row locks serialise writers)."""
+        return _NOTHING_HELD
+
+
+_NOTHING_HELD = contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SQLiteDriver(_SQLite, _Dialect):
+    """SQLite: one writer at a time. jobq's writing transactions start with BEGIN IMMEDIATE
+    (_install_sqlite_hooks), so no statement locks rows; threads and processes queue for the
+    write lock at a Python lock and a lock file (_sqlite_writer) rather than in SQLite's busy
+    handler; the clock is this machine's."""
+
+    def lock_skip(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
+        return stmt  # BEGIN IMMEDIATE already holds the database's write lock (FOR UPDATE is ignored)
+
+    def lock_wait(self, stmt: sa.Select[Any], *, via: str | None = None) -> sa.Select[Any]:
+        return stmt
+
+    def lock_share(self, stmt: sa.Select[Any]) -> sa.Select[Any]:
+        return stmt
+
+    def db_now(self, conn: Connection, *, wake: bool = False) -> _dt.datetime:
+        return _utcnow()  # embedded: the database's clock is this machine's clock
+
+    def retryable(self, exc: BaseException) -> bool:
+        text = str(getattr(exc, "orig", None) or exc).lower()
+        return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+
+    @classmethod
+    def server_version(cls, engine: Engine) -> tuple[int, ...]:
+        """The SQLite library this Python links (pysqlite and aiosqlite use it)."""
+        if engine.dialect.driver not in ("pysqlite", "aiosqlite"):
+            raise UnsupportedDatabase(f"jobq's SQLite support needs the pysqlite (or aiosqlite) driver, not {engine.dialect.driver!r}")
+        import sqlite3
+
+        return tuple(sqlite3.sqlite_version_info)
+
+    @classmethod
+    def install(cls, engine: Engine) -> None:
+        _install_sqlite_hooks(engine)
+
+    @classmethod
+    def missing_file(cls, engine: Engine) -> str | None:
+        url = engine.url
+        path = url.database
+        if path and path != ":memory:" and not path.startswith("file:") and "uri" not in url.query and not os.path.exists(path):
+            return path
+        return None
+
+    def writer(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
+        return _sqlite_writer(engine, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PostgreSQLDriver(_PostgreSQL, _Dialect):
+    """PostgreSQL: row locks of the key-share strengths, wake-ups by NOTIFY (_Dialect.notify,
+    on notify_listen), per-transaction planner settings (pin_index_plans, on tunable)."""
+
+    def tune_tables(self, conn: Connection) -> None:
+        """Room on each page for HOT updates (heartbeats and finalizes rewrite rows in place
+        when no indexed column changes and the page has space), and autovacuum that starts
+        early instead of after 20% of a large table has turned into dead rows."""
+        conn.exec_driver_sql(
+            "ALTER TABLE jobs SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02, "
+            "autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_limit = 2000)"
+        )
+
+    @classmethod
+    def listens(cls, engine: Engine) -> bool:
+        """LISTEN needs psycopg (3), whose connections jobq opens itself."""
+        return engine.dialect.driver == "psycopg"
+
+
+@dataclasses.dataclass(frozen=True)
+class _MySQLDriver(_MySQL, _Dialect):
+    """Oracle MySQL: the isolation level set inside each transaction, a keyed insert that lets
+    the unique index refuse a duplicate, a multi-row insert whose ids InnoDB hands out as one
+    block."""
+
+    def begin(self, conn: Connection) -> None:
+        # For this transaction only, as a statement inside it. The session-level setting
+        # (execution_options) is undone by the pool when the connection is checked in, with a
+        # round trip outside any error handling: a cut landing between commit and close raised
+        # the driver's raw error out of close(), after the commit, and leaked the pool slot.
+        conn.exec_driver_sql(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}")
+
+    def insert_unique(self, conn: Connection, row: Mapping[str, Any]) -> int | None:
+        """A plain INSERT: a duplicate key fails only this statement (ER_DUP_ENTRY, 1062), and
+        the transaction goes on."""
+        try:
+            return int(conn.execute(_Q_INSERT_JOB, dict(row)).inserted_primary_key[0])  # type: ignore[index]
+        except sa.exc.IntegrityError as exc:
+            if getattr(exc.orig, "args", (None,))[0] == 1062:
+                return None
+            raise
 
     def autoinc_step(self, conn: Connection) -> int:
         """How far apart the ids of one multi-row insert are (auto_increment_increment: 1 unless
@@ -2771,22 +2880,26 @@ class _Dialect(_Engine):
             i += n
         return out
 
-    def retryable(self, exc: BaseException) -> bool:
-        """Errors after which the whole transaction was (or must be) rolled back and may rerun."""
-        orig = getattr(exc, "orig", None)
-        if self.row_locks:
-            # psycopg names a SQLSTATE; PyMySQL an errno first in args (and, in recent versions,
-            # a SQLSTATE too: 1213 carries '40001', 1205 'HY000'), so look at every code given.
-            args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
-            codes = {getattr(orig, "sqlstate", None), getattr(orig, "pgcode", None), args[0] if args else None}
-            return bool(codes & self.retry_codes)
-        text = str(orig or exc).lower()
-        return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+
+@dataclasses.dataclass(frozen=True)
+class _MariaDBDriver(_MariaDB, _MySQLDriver):
+    """MariaDB: driven as MySQL (with RETURNING, so insert_block goes unused)."""
+
+
+#: Every engine family's driver; _ENGINES (jobq/engines.py) lists their facts in the same order.
+_DRIVERS: tuple[type[_Dialect], ...] = (_SQLiteDriver, _PostgreSQLDriver, _MySQLDriver, _MariaDBDriver)
+_DRIVER_OF: dict[str, type[_Dialect]] = {d.family: d for d in _DRIVERS}
 
 
 def _capabilities(family: str, version: tuple[int, ...]) -> _Dialect:
-    """The driver of one engine: its family's facts at this server version."""
-    return _Dialect(family, version, **_engine_facts(family, version))
+    """The driver of one engine: its family's driver at this server version."""
+    return _DRIVER_OF[family]._at(version)  # type: ignore[no-any-return]
+
+
+def _driver_class(engine: Engine) -> type[_Dialect] | None:
+    """The driver of an engine's family, decided without a connection (a mysql+pymysql:// URL
+    that will reach MariaDB is driven as MariaDB only once _prepare has connected)."""
+    return _DRIVER_OF.get(engine.dialect.name)
 
 
 @compiles(_JobsUpdate)
@@ -2807,24 +2920,22 @@ def _render_jobs_update(stmt: _JobsUpdate, compiler: Any, **kw: Any) -> str:
 
 
 def _listen_supported(engine: Engine) -> bool:
-    """LISTEN needs PostgreSQL through psycopg (3), whose connections jobq opens itself."""
-    return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+    """Whether Worker(listen=True) can LISTEN through this engine (_Dialect.listens)."""
+    cls = _driver_class(engine)
+    return cls is not None and cls.notify_listen and cls.listens(engine)
 
 
 def _missing_database_file(engine: Engine) -> str | None:
-    """The path of an embedded (SQLite) database file that does not exist yet, else None: a
-    connection there would create an empty file (the CLI refuses that for a mistyped path)."""
-    url = engine.url
-    path = url.database
-    if (engine.dialect.name == "sqlite" and path and path != ":memory:" and not path.startswith("file:")
-            and "uri" not in url.query and not os.path.exists(path)):
-        return path
-    return None
+    """The path of an embedded database file that does not exist yet, else None: a connection
+    there would create an empty file (the CLI refuses that for a mistyped path)."""
+    cls = _driver_class(engine)
+    return cls.missing_file(engine) if cls is not None else None
 
 
 def _local_clock(engine: Engine) -> bool:
     """Whether this engine's clock is this machine's (decided without a connection)."""
-    return engine.dialect.name == "sqlite"
+    cls = _driver_class(engine)
+    return cls is not None and cls.local_clock
 
 
 #: PostgreSQL channel that enqueue, released dependents and reclaims notify; None: no NOTIFY.
@@ -2881,13 +2992,13 @@ _SQLITE_BEGIN = {False: sa.text("BEGIN"), True: sa.text("BEGIN IMMEDIATE")}
 
 
 def _check_version(family: str, version: tuple[int, ...]) -> None:
-    need = _MIN_VERSIONS[family]
-    if version < need:
-        label = _ENGINE_LABELS[family]
+    """Refuse a version of ``family`` older than its driver's min_version."""
+    cls = _BY_FAMILY[family]
+    if version < cls.min_version:
         found = ".".join(map(str, version)) or "unknown"
         raise UnsupportedDatabase(
-            f"{label} {found} found; jobq needs {label} {'.'.join(map(str, need))} or newer "
-            "(for FOR UPDATE SKIP LOCKED)"
+            f"{cls.label} {found} found; jobq needs {cls.label} {'.'.join(map(str, cls.min_version))} or newer"
+            f"{cls.floor_reason}"
         )
 
 
@@ -2912,31 +3023,20 @@ def _prepare(engine: Engine) -> _Dialect:
     d = _DIALECTS.get(engine)
     if d is not None:
         return d
-    name = engine.dialect.name
-    if name not in _ENGINE_LABELS:
+    named = _driver_class(engine)
+    if named is None:
         *most, last = _ENGINE_LABELS.values()
-        raise UnsupportedDatabase(f"jobq supports {', '.join(most)} and {last}, not {name!r}")
-    if name == "sqlite":
-        if engine.dialect.driver not in ("pysqlite", "aiosqlite"):
-            raise UnsupportedDatabase(f"jobq's SQLite support needs the pysqlite (or aiosqlite) driver, not {engine.dialect.driver!r}")
-        import sqlite3
-
-        version: tuple[int, ...] = sqlite3.sqlite_version_info
-        if version < (3, 25):
-            raise UnsupportedDatabase(f"SQLite {sqlite3.sqlite_version} found; jobq needs 3.25 or newer")
-        family = "sqlite"
-    else:
-        # Connect outside the lock: with an async engine this awaits, and another task of the
-        # same event loop may be preparing the same engine.
-        version = _server_version(engine)
-        family = _family(engine.dialect)
-        _check_version(family, version)
+        raise UnsupportedDatabase(f"jobq supports {', '.join(most)} and {last}, not {engine.dialect.name!r}")
+    # Connect outside the lock: with an async engine this awaits, and another task of the same
+    # event loop may be preparing the same engine. The family is known once connected.
+    version = named.server_version(engine)
+    cls = _DRIVER_OF[_family(engine.dialect)]
+    _check_version(cls.family, version)
     with _DIALECTS_LOCK:
         d = _DIALECTS.get(engine)
         if d is None:
-            if family == "sqlite":
-                _install_sqlite_hooks(engine)
-            d = _DIALECTS[engine] = _capabilities(family, version)
+            cls.install(engine)
+            d = _DIALECTS[engine] = cls._at(version)
         return d
 
 
@@ -2959,7 +3059,7 @@ def _sqlite_writer(engine: Engine, d: _Dialect) -> Iterator[None]:
     # Threads of one process queue on a Python lock for SQLite's single write lock: a hand-off
     # there is immediate, while SQLite's busy handler polls with sleeps of up to 100 ms.
     # Processes meet at the lock file (_sqlite_lockfile), then at SQLite's lock (busy_timeout).
-    if d.row_locks or engine.dialect.is_async:
+    if engine.dialect.is_async:
         # (An event loop must never block on a thread lock: async SQLite engines meet at
         # SQLite's own lock, whose busy handler waits in aiosqlite's thread, not the loop.)
         yield
@@ -3110,7 +3210,7 @@ def _schema_guard(engine: Engine, d: _Dialect) -> Iterator[Connection]:
     """One transaction for create_schema's checks, DDL and seeding, serialised against every
     other create_schema on the same database (d.schema_lock; SQLite: BEGIN IMMEDIATE, which
     takes the write lock before the first check)."""
-    with _sqlite_writer(engine, d), engine.connect() as conn:
+    with d.writer(engine), engine.connect() as conn:
         if not d.row_locks:
             conn.execution_options(jobq_immediate=True)
         lock, unlock = d.schema_lock or (None, None)
@@ -3157,7 +3257,7 @@ def _transaction(
     for attempt in range(TX_RETRIES + 1):
         started = committing = False
         try:
-            with _sqlite_writer(engine, d), engine.connect() as conn:
+            with d.writer(engine), engine.connect() as conn:
                 try:
                     if d.isolation and not d.isolation_stmt:
                         # psycopg and asyncpg keep this on the client and send it with BEGIN,

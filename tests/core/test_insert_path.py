@@ -118,14 +118,14 @@ def test_concurrent_submits_each_get_their_own_rows_ids(engine: sa.Engine) -> No
     assert _mislabelled(engine, got) == []
 
 
-@needs(no="returning")  # _Dialect.insert_block
+@needs(no="returning")  # the driver's insert_block
 @pytest.mark.parametrize("broken", [False, True], ids=["correct", "broken-step-1"])
 def test_submit_ids_follow_auto_increment_increment(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
                                                     broken: bool) -> None:
     """With auto_increment_increment = 3 (as a multi-primary setup spaces ids) a multi-row
     insert's ids are 3 apart. BROKEN variant: ids assumed consecutive label the wrong rows."""
     if broken:
-        monkeypatch.setattr(jobq._Dialect, "autoinc_step", lambda self, conn: 1)
+        monkeypatch.setattr(type(jobq._prepare(engine)), "autoinc_step", lambda self, conn: 1)
     items = [{"key": f"k{i}", "type": "t", "args": {"k": f"k{i}"}} for i in range(300)]
     with engine.begin() as conn:
         conn.execute(sa.text("SET SESSION auto_increment_increment = 3"))

@@ -159,7 +159,7 @@ def test_broken_steps_outside_the_guard_run_once_per_start(engine: sa.Engine, mo
             yield conn
 
     monkeypatch.setattr(jobq, "_schema_guard", unlocked)
-    monkeypatch.setattr(jobq._Dialect, "tune_tables", lambda self, conn: None)
+    monkeypatch.setattr(type(jobq._prepare(engine)), "tune_tables", lambda self, conn: None)
     _concurrent_starts(engine)
     assert runs[jobq._MIGRATIONS[0][0]] == THREADS, runs
     recorded_version(engine, jobq.SCHEMA_VERSION)

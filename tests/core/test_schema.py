@@ -219,3 +219,21 @@ def test_every_engine_family_gets_the_claims_indexes_by_capability() -> None:
         assert facts.partial_indexes != facts.index_hints, (family, facts.partial_indexes, facts.index_hints)
     broken = jobq._Engine("newdb", ())  # BROKEN: an engine with the defaults only
     assert not (broken.partial_indexes or broken.index_hints)  # is what the check above refuses
+
+
+def test_each_engine_is_a_facts_class_and_its_driver() -> None:
+    """The engines (jobq/engines.py) and their drivers (jobq/drivers.py) are one registry each,
+    naming the same families in the same order; each driver is its family's facts with the
+    shared behaviour, and its label and version floor are what the messages use."""
+    assert [e.family for e in jobq._ENGINES] == [d.family for d in jobq._DRIVERS]
+    for engine, driver in zip(jobq._ENGINES, jobq._DRIVERS, strict=True):
+        assert issubclass(driver, engine) and issubclass(driver, jobq._Dialect), driver
+        assert jobq._ENGINE_LABELS[engine.family] == engine.label and jobq._MIN_VERSIONS[engine.family] == engine.min_version
+        assert type(jobq._capabilities(engine.family, engine.min_version)) is driver
+
+
+def test_a_fact_set_without_its_annotation_is_refused() -> None:
+    """BROKEN: a family class that sets a fact as a plain class attribute would keep _Engine's
+    default (the dataclass field decides the instance's value): refused when the class is made."""
+    with pytest.raises(TypeError, match="annotate the facts"):
+        type("_Broken", (jobq._SQLite,), {"returning": False})

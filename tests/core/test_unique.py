@@ -191,7 +191,7 @@ def test_an_enqueue_racing_an_uncommitted_holder_waits_and_returns_its_id(engine
     # the broken variant: a plain SELECT, then a plain INSERT, with no unique index behind them
     monkeypatch.setattr(jobq._Dialect, "live_keys", lambda self, conn, keys: dict(conn.execute(
         sa.select(jobs.c.unique_key, jobs.c.id).where(jobs.c.unique_key.in_(keys), jobs.c.state.in_(jobq._OPEN))).all()))
-    monkeypatch.setattr(jobq._Dialect, "insert_unique",
+    monkeypatch.setattr(type(d), "insert_unique",
                         lambda self, conn, row: conn.execute(jobq._Q_INSERT_JOB, dict(row)).inserted_primary_key[0])
     with engine.begin() as conn:
         conn.execute(jobs.delete())
