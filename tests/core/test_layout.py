@@ -9,6 +9,9 @@ An AST walk over the modules of ``jobq/``:
   comparison with "postgresql", "mysql", "mariadb" or "sqlite", a type's ``with_variant``, a
   ``ddl_if``/``execute_if`` by ``dialect=``) only in the engines and drivers modules (and the
   fast path, which is the drivers' cursor): the schema asks for capabilities;
+* an engine is named (a string that is an engine's name, a URL or driver of it such as
+  "mysql+pymysql", a dialect option such as ``postgresql_where=`` or ``{"mysql_engine": ...}``)
+  only in the engines and drivers modules: adding an engine touches only them;
 * a module imports the standard library, SQLAlchemy, and modules before it in ``_MODULES``
   (jobq/__init__.py's import order), nothing else, at module level or inside a function
   (annotations may name a later module's class under ``if TYPE_CHECKING:``: nothing runs);
@@ -41,6 +44,8 @@ BRANCH_MODULES = frozenset({"engines", "drivers", "fastpath"})
 STATEMENT_BUILDERS = frozenset({"select", "insert", "update", "delete", "text", "union", "union_all"})
 ENGINE_NAMES = frozenset(ENGINES)  # every engine the tests run on (tests/engine_table.py)
 BRANCH_ATTRS = frozenset({"family", "is_mariadb", "driver"})
+#: The modules that may name an engine: its class in engines.py, its driver in drivers.py.
+NAME_MODULES = frozenset({"engines", "drivers"})
 #: A module this long is more than a sitting's read: split it rather than raise this.
 MAX_LINES = 1_500
 
@@ -51,7 +56,7 @@ LATE_IMPORTS: frozenset[tuple[str, str]] = frozenset()
 
 @dataclass(frozen=True)
 class Violation:
-    rule: str  # "statement" | "branch" | "import" | "__all__" | "modules" | "size"
+    rule: str  # "statement" | "branch" | "name" | "import" | "__all__" | "modules" | "size"
     module: str
     where: str  # the top-level definition (or "module")
     line: int
@@ -103,6 +108,20 @@ def _branches(node: ast.AST) -> Iterator[tuple[int, str]]:
             named = set().union(*(_strings(x) for x in [n.left, *n.comparators])) & ENGINE_NAMES
             if named:
                 yield n.lineno, f"comparison with {sorted(named)}"
+
+
+def _engine_names(node: ast.AST) -> Iterator[tuple[int, str]]:
+    """Strings that are an engine's name, URL scheme or driver ("mysql", "sqlite://",
+    "mariadb+pymysql"), and dialect options (``postgresql_where=``, a ``"mysql_engine"`` key)."""
+    keys = {id(k) for d in ast.walk(node) if isinstance(d, ast.Dict) for k in d.keys if k is not None}
+    for n in ast.walk(node):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            for engine in ENGINE_NAMES:
+                if n.value == engine or n.value.startswith((f"{engine}+", f"{engine}:")) or (
+                        id(n) in keys and n.value.startswith(f"{engine}_")):
+                    yield n.lineno, f"the string {n.value!r}"
+        elif isinstance(n, ast.keyword) and n.arg and n.arg.startswith(tuple(f"{e}_" for e in ENGINE_NAMES)):
+            yield n.value.lineno, f"the dialect option {n.arg}="
 
 
 def _imports(name: str, tree: ast.Module, order: list[str]) -> Iterator[Violation]:
@@ -165,6 +184,8 @@ def check(modules: dict[str, str]) -> list[Violation]:
                 out += [Violation("statement", name, where, ln, w) for ln, w in _statements(node)]
             if name not in BRANCH_MODULES:
                 out += [Violation("branch", name, where, ln, w) for ln, w in _branches(node)]
+            if name not in NAME_MODULES:
+                out += [Violation("name", name, where, ln, w) for ln, w in _engine_names(node)]
     if all_names is None:
         out.append(Violation("__all__", "__init__", "module", 1, "no literal __all__"))
     else:
@@ -197,11 +218,13 @@ def violations() -> list[Violation]:
     return check(package())
 
 
-@pytest.mark.parametrize("rule", ["statement", "branch"])
+@pytest.mark.parametrize("rule", ["statement", "branch", "name"])
 def test_sql_and_engine_branches_stay_in_their_modules(violations: list[Violation], rule: str) -> None:
     """Statements are built only in the schema, SQL, fast-path, driver and migration modules,
-    and the engine is branched on only in the drivers. A bug shows as a line naming the
-    definition that builds a statement (or tests an engine name) in the wrong module."""
+    the engine is branched on only in the drivers, and named only in the engines and drivers
+    modules (the schema asks them: _where_options, _table_options, _column_type). A bug shows
+    as a line naming the definition that builds a statement (or names an engine) in the wrong
+    module."""
     bad = [str(v) for v in violations if v.rule == rule]
     assert not bad, "\n".join(bad)
 
@@ -253,21 +276,35 @@ def test_checker_accepts_a_clean_package() -> None:
         ("jobs", "def d(conn):\n    return conn.execute(sa.update(t))\n", "statement"),
         ("jobs", "def d(conn):\n    conn.exec_driver_sql('SELECT 1')\n", "statement"),
         ("jobs", "def d(conn):\n    return sa.union_all(x, y)\n", "statement"),
-        ("jobs", "def d(d):\n    return d.family == 'mysql'\n", "branch"),
+        ("jobs", "def d(d):\n    return d.family == 'mysql'\n", {"branch", "name"}),
         ("jobs", "def d(e):\n    return e.dialect.name\n", "branch"),
-        ("jobs", "def d(e):\n    return getattr(e, 'x') in ('mariadb', 'x')\n", "branch"),
+        ("jobs", "def d(e):\n    return getattr(e, 'x') in ('mariadb', 'x')\n", {"branch", "name"}),
+        ("sql", "_HINT = {'postgres': 'x', 'mariadb': ('mariadb+pymysql', 'x')}\n", "name"),
+        ("sql", "_URL = 'sqlite+pysqlite:///x.db'\n", "name"),
+        ("sql", "_I = sa.Index('i', 'c', postgresql_where=sa.text('x'))\n", "name"),
+        ("sql", "_T = sa.Table('t', m, mysql_engine='InnoDB')\n", "name"),
+        ("sql", "_A = ({'sqlite_autoincrement': True},)\n", "name"),
         ("sql", "def d(e):\n    return e.dialect.driver\n", "branch"),
-        ("sql", "_T = sa.Text().with_variant(x, 'mysql')\n", "branch"),
-        ("sql", "_I = sa.Index('i', 'c').ddl_if(dialect=('postgresql', 'sqlite'))\n", "branch"),
+        ("sql", "_T = sa.Text().with_variant(x, 'mysql')\n", {"branch", "name"}),
+        ("sql", "_I = sa.Index('i', 'c').ddl_if(dialect=('postgresql', 'sqlite'))\n", {"branch", "name"}),
         ("jobs", "import numpy\n", "import"),
         ("sql", "from .jobs import c\n", "import"),
         ("sql", "def d():\n    from .drivers import _family\n", "import"),
         ("jobs", "\n" * MAX_LINES, "size"),
     ],
 )
-def test_checker_flags_a_broken_variant(module: str, broken: str, rule: str) -> None:
+def test_checker_flags_a_broken_variant(module: str, broken: str, rule: str | set[str]) -> None:
     """Each rule fires on a minimal offender."""
-    assert {v.rule for v in check(_with(module, broken))} == {rule}
+    assert {v.rule for v in check(_with(module, broken))} == ({rule} if isinstance(rule, str) else rule)
+
+
+@pytest.mark.parametrize("fine", ["_Q = sa.text('SELECT sql FROM sqlite_master')\n",
+                                  "def d():\n    'On mysql the index is named.'\n",
+                                  "_X = {'mysqlx_port': 1, 'key': 'sqlite_sequence'}\n"])
+def test_a_catalog_name_or_prose_is_not_an_engine_name(fine: str) -> None:
+    """SQL text naming an engine's catalog, a docstring, a key that only starts like an
+    engine's name: none of them names an engine."""
+    assert check(_with("sql", fine)) == []
 
 
 @pytest.mark.parametrize(
