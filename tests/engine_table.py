@@ -1,5 +1,5 @@
 """The engines the suites run on: one row each. Adding an engine to the tests is one row here
-(its driver in jobq/engines.py and jobq/drivers.py is the other half); tests/dbs.py, the
+(its class in jobq/engines.py and its driver in jobq/drivers.py are the other half); tests/dbs.py, the
 conftest, noxfile.py's per-engine sessions (tests-<short>, races-<short>, crash-<short>), .ci/run's
 loops over them and test_layout's list of engine names all read this table.
 

@@ -117,10 +117,10 @@ ENGINE_MARKER = "<!-- engine-facts -->"
 
 def engine_facts() -> str:
     """The capability table of reference/engines.md, from jobq's per-family engine facts."""
-    from jobq.engines import _MIN_VERSIONS, _family_facts
+    from jobq.engines import _ENGINES, _family_facts
 
-    families = ["sqlite", "postgresql", "mysql", "mariadb"]
-    versions = {"sqlite": "3.25", **{f: ".".join(map(str, v)) for f, v in _MIN_VERSIONS.items()}}
+    families = [e.family for e in _ENGINES]
+    versions = {e.family: ".".join(map(str, e.min_version)) for e in _ENGINES}
     facts = {f: _family_facts(f) for f in families}
 
     def cell(value: Any) -> str:
