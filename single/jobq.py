@@ -5345,7 +5345,7 @@ def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = N
     """Send the signal ``key``: every job waiting for it in ``ctx.wait_for(key)`` becomes due
     now, and every ``ctx.wait_for(key)`` from now on returns ``payload`` at once.
 
-    A signal is a fact, not a message: it is kept (until ``prune`` removes it), read by every
+    A signal is a fact, not a message: it is kept (``prune`` leaves jobq_signals alone), read by every
     job that waits for its key, before or after it was sent, and only the first signal of a
     key counts (a second one changes nothing and returns False: a webhook delivered twice
     wakes nobody twice).
