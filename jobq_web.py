@@ -203,6 +203,7 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
     if hide_args:
         data["args"] = None
     data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children, retry_roots=roots,
+                suspended=_jq._suspension(engine, job_id),
                 attempt_history=[_plain(a) for a in jobq.attempts(engine, job_id)],
                 graph={"nodes": [{"id": n.id, "type": n.type, "state": n.state, "parent_id": n.parent_id,
                                   "is_container": bool(n.is_container)} for n in nodes],
@@ -600,6 +601,8 @@ class Dashboard:
             return self._login(req, parts[0])
         job_action = len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("retry", "cancel")
         group_action = len(parts) >= 2 and parts[0] == "groups" and parts[-1] in ("pause", "resume")
+        if parts == ["signals", "send"]:  # a signal: ?key=K (&job=ID, the page to return to)
+            return self._signal_action(req) if post else self._offer_signal(req)
         if post:
             if job_action:
                 return self._job_action(req, _job_id(parts[1]), parts[2])
@@ -675,6 +678,55 @@ class Dashboard:
         if req.wants_json:
             return self._json({"id": job_id, "action": action, "result": outcome, "message": message})
         return _redirect(f"{req.base}/jobs/{job_id}?{urllib.parse.urlencode({'done': message})}")
+
+    # ---- suspended jobs (jobq.signal): what one waits for, and the signal's form
+
+    def _suspended_html(self, req: _Request, job_id: int, s: Mapping[str, Any] | None) -> str:
+        """A suspended job's wait, and (with the token) a form that sends the signal it waits for."""
+        if s is None:
+            return ""
+        out = f'<p id="suspended">suspended: {_e(s["text"])}, holding no slot</p>'
+        return out + (self._signal_form(req, s["key"], job_id) if s["kind"] == "signal" and self.token else "")
+
+    def _signal_form(self, req: _Request, key: str, job_id: int | None) -> str:
+        # The key travels in the query, as a group's name does: any character round-trips.
+        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
+        query = _e(urllib.parse.urlencode({"key": key, **({"job": job_id} if job_id is not None else {})}))
+        return (f'<form method="post" action="{_e(req.base)}/signals/send?{query}">{csrf}'
+                '<label>payload (JSON) <input name="payload" id="payload" value="null"></label> '
+                f'<button type="submit" id="send-signal">Send signal {_e(key)}</button></form>')
+
+    def _signal_args(self, req: _Request) -> tuple[str, int | None]:
+        key = _name_arg(req, "key")
+        if not key:
+            raise _HttpError(400, "name the signal: /signals/send?key=KEY")
+        job = req.arg("job")
+        return key, None if job is None else _job_id(job)
+
+    def _signal_action(self, req: _Request) -> _Response:
+        self._authorize(req)
+        key, job = self._signal_args(req)
+        raw = ((req.form().get("payload") or [""])[-1]).strip()
+        try:
+            sent = jobq.signal(self.engine, key, json.loads(raw) if raw else None)
+        except ValueError as exc:  # bad JSON, or jobq.InvalidJob (a bad key or payload)
+            raise _HttpError(400, f"payload must be JSON: {_jq._one_line(exc)}" if not isinstance(exc, jobq.JobqError)
+                             else _jq._one_line(exc)) from None
+        message = f"signal {key!r} " + ("sent" if sent else "was sent before: its first payload stands")
+        logger.info("jobq dashboard: signal %r: %s", key, message)
+        if req.wants_json:
+            return self._json({"key": key, "sent": sent, "message": message})
+        back = f"/jobs/{job}" if job is not None else "/"
+        return _redirect(f"{req.base}{back}?{urllib.parse.urlencode({'done': message})}")
+
+    def _offer_signal(self, req: _Request) -> _Response:
+        """The page at the signal action's address (a GET): its form; signing in after a refused
+        signal lands here."""
+        if req.wants_json or self.token is None:
+            raise _HttpError(405, "actions are POST requests")
+        key, job = self._signal_args(req)
+        body = f"<h1>Send signal {_e(key)}</h1>{self._signal_form(req, key, job)}"
+        return self._page(req, f"Send signal {key}", body, "")
 
     def _group_action(self, req: _Request, group: str, action: str) -> _Response:
         self._authorize(req)
@@ -841,6 +893,8 @@ class Dashboard:
         facts = [
             ("oldest due ready job waiting", _jq._span((now - oldest).total_seconds()) if oldest else "-"),
             ("ready: due / scheduled", f"{d['ready_due']} / {d['ready_scheduled']}"),
+            ("suspended, holding no slot", f'<span id="suspended">{_e(d["suspended"])}</span>, '
+                                           f'<span id="awaiting-signal">{_e(d["awaiting_signal"])}</span> waiting for a signal'),
             ("next scheduled", _e(d["next_scheduled"]) or "-"),
             ("expired leases awaiting reclaim", str(d["expired_leases"])),
             ("global limit (stored, every worker)", _global_html(d["global_limit"])),
@@ -915,6 +969,7 @@ class Dashboard:
             fields.append(("progress", _e(d["progress"])))
         actions = "" if self.token is None else self._job_buttons(req, jid, d["state"], d["cancel_requested"],
                                                                   roots=d["retry_roots"])
+        actions += self._suspended_html(req, jid, d["suspended"])
         args = ('<p class="muted" id="args">hidden (the dashboard runs with --hide-args)</p>' if d["args_hidden"]
                 else f'<pre id="args">{_e(_json_text(d["args"]))}</pre>')
         parts = [f'<h1>Job {jid} <span id="type">{_e(d["type"])}</span> {_state(d["state"])}'

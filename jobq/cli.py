@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from .base import ConfigError, InvalidJob, JobqError, __version__, logger
 from .context import _EXECUTORS, JobContext
-from .control import _iso, _progress_text, _span, _subtree, cancel, prune, retry, stats, why
+from .control import _iso, _progress_text, _span, _subtree, _suspension, cancel, prune, retry, stats, why
 from .drivers import _missing_database_file, _prepare
 from .engines import _scheme_hint
 from .jobs import attempts, create_schema, enqueue, get
@@ -452,9 +452,17 @@ def _per_group_text(counts: Mapping[str, int]) -> str:
             + f", and {len(busy) - _STATUS_GROUPS:,} more groups (the busiest shown; --json lists all)")
 
 
+def _suspended_count_text(st: Mapping[str, Any]) -> str:
+    """", 2 of them suspended (1 waiting for a signal)": scheduled jobs that hold no slot."""
+    n, signal_ = st.get("suspended", 0), st.get("awaiting_signal", 0)
+    if not n and not signal_:
+        return ""
+    return f", {max(n, signal_)} of them suspended" + (f" ({signal_} waiting for a signal)" if signal_ else "")
+
+
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
-    awaiting = f", {st['awaiting_signal']} of them waiting for a signal" if st.get("awaiting_signal") else ""
+    awaiting = _suspended_count_text(st)
     states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled{awaiting})"
                                       if k == "ready" else "")
                        for k, v in st["states"].items() if k not in TERMINAL)
@@ -551,7 +559,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("key", metavar="KEY")
     p.add_argument("--payload", default="null", metavar="JSON", help="what ctx.wait_for returns: any JSON value "
                    "(default: null)")
-    p = add("prune", "delete finished jobs older than a duration")
+    p = add("prune", "delete finished jobs older than a duration, and the signals nobody can still receive")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
     p = add("graph", "a job's or container's DAG as Mermaid or Graphviz DOT (--json: nodes and edges)")
@@ -734,12 +742,15 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
             dependents = list(conn.execute(_q_dependent_ids(ns.id)).scalars())
             children = list(conn.execute(_q_child_ids(ns.id)).scalars())
             conn.rollback()
-        data = {**dataclasses.asdict(info), "dependents": dependents, "children": children}
+        data = {**dataclasses.asdict(info), "dependents": dependents, "children": children,
+                "suspended": _suspension(engine, ns.id)}
         history = [dataclasses.asdict(a) for a in attempts(engine, ns.id)]
         if ns.json:
             _print_json({**data, "history": history})
         else:
             for k, v in data.items():
+                if k == "suspended":  # a suspended job: what it waits for, as why says it
+                    v = None if v is None else f"{v['text']}, holding no slot"
                 print(f"{k:>17}: {_text(list(v) if isinstance(v, tuple) else v)}")
             print(f"{'history':>17}: " + ("no attempt has ended" if not history else ""))
             for a in history:

@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from .base import ConfigError, InvalidJob, _checkpoint, _chunks
+from .base import ConfigError, InvalidJob, _checkpoint, _chunks, logger
 from .claiming import Lease, _check_rate_limits, _in_flight_counts, _lease_rows, _rate_room
 from .drivers import _Dialect, _prepare, _transaction
 from .jobs import _ancestors
@@ -36,6 +36,7 @@ from .sql import (
     _q_delete_attempts,
     _q_delete_edges,
     _q_delete_jobs,
+    _q_delete_signals,
     _q_delete_waits,
     _q_downstream,
     _q_expired_count,
@@ -46,7 +47,9 @@ from .sql import (
     _q_job,
     _q_lock_jobs,
     _q_lock_prunable,
+    _q_lock_prunable_signals,
     _q_prunable,
+    _q_prunable_signals,
     _q_ready_by_group,
     _q_ready_times,
     _q_recent_failures,
@@ -54,6 +57,7 @@ from .sql import (
     _q_request_cancel,
     _q_roll_up,
     _q_signal_waits,
+    _q_suspended_count,
     _q_uncount_failed_children,
     _q_unfinished_upstreams,
     _q_upstream_edges,
@@ -364,13 +368,19 @@ def _walk_order(frontier: Sequence[int], down: Mapping[int, Sequence[int]], keep
 
 def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = ("done",), batch: int = 1000,
           now: _dt.datetime | None = None) -> int:
-    """Delete finished jobs that finished more than ``older_than`` ago, in bounded batches.
+    """Delete finished jobs that finished more than ``older_than`` ago, in bounded batches, and
+    the signals nobody can still receive.
 
     A job is kept while an unfinished job depends on it, while its container is unfinished,
     and (for a container) while any of its children remains. Each batch is one short
     transaction found through the finished-rows index, so the cost follows what is
     deleted, not the size of the history. A job re-opened meanwhile (:func:`retry`) is never
     deleted: each batch is locked and checked again before its delete.
+
+    Then the signals (:func:`jobq.signal`): a signal sent more than ``older_than`` ago (a key
+    only awaited, never sent: made that long ago) is deleted unless an unfinished job has
+    waited for its key (a ``ctx.wait_for`` that suspended or timed out on it); whatever
+    ``states`` says. The rule and its limits are in signal()'s docstring.
 
     Returns:
         How many jobs were deleted.
@@ -400,6 +410,32 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
         n = _transaction(engine, one)
         total += n
         if n == 0:  # a short batch may have freed containers whose children it deleted: go again
+            _prune_signals(engine, older_than, batch, now)
+            return total
+
+
+def _prune_signals(engine: Engine, older_than: _dt.timedelta, batch: int, now: _dt.datetime | None) -> int:
+    """prune's second part: the signals nobody can still receive (_signal_prunable), in
+    batches, each read, locked, checked again and deleted in one short transaction."""
+    total = 0
+    while True:
+
+        def one(conn: Connection, d: _Dialect) -> int:
+            cutoff = (now or d.db_now(conn)) - older_than
+            read = list(conn.execute(_q_prunable_signals(cutoff, batch)).scalars())
+            _checkpoint("prune_signals_read", read)
+            keys = list(conn.execute(_q_lock_prunable_signals(d, read, cutoff)).scalars()) if read else []
+            _checkpoint("prune_signals_locked", keys)
+            if keys:
+                conn.execute(_q_delete_signals(keys))
+            return len(keys)
+
+        n = _transaction(engine, one)
+        total += n
+        if n < batch:
+            if total:
+                logger.info("jobq prune: deleted %d signal(s) nobody can still receive", total,
+                            extra={"action": "prune_signals"})
             return total
 
 
@@ -529,14 +565,44 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
 
 def _suspended_text(conn: Connection, head: str, r: Any, outcome: str, t: _dt.datetime) -> str:
     """why's line for a suspended job (waits.py): the signal it waits for, or its sleep's end."""
-    at = f"{_iso(r.run_after)} (in {_span((r.run_after - t).total_seconds())})"
+    return f"{head} is {_suspension_text(_suspension_of_row(conn, r, outcome), t)}, holding no slot"
+
+
+def _suspension_of_row(conn: Connection, r: Any, outcome: str) -> dict[str, Any]:
+    """What a suspended job (``r``, its newest attempt ``outcome``) waits for: kind "signal"
+    (key, since, timeout_at), "sleep" or "snooze" (until)."""
     if outcome == "snoozed":
-        return f"{head} is snoozed until {at}, holding no slot"
+        return {"kind": "snooze", "until": r.run_after}
     w = conn.execute(_q_signal_waits(r.id)).first()
     if w is not None:
-        timeout = f"timeout at {_iso(w.until)}" if w.until is not None else "no timeout"
-        return f"{head} is waiting for signal {w.name!r} since {_iso(w.since)} ({timeout}), holding no slot"
-    return f"{head} is sleeping until {at}, holding no slot"
+        return {"kind": "signal", "key": w.name, "since": w.since, "timeout_at": w.until}
+    return {"kind": "sleep", "until": r.run_after}
+
+
+def _suspension_text(s: Mapping[str, Any], t: _dt.datetime) -> str:
+    """"waiting for signal 'k' since T (timeout at T2)", "sleeping until T (in 5m)"."""
+    if s["kind"] == "signal":
+        timeout = f"timeout at {_iso(s['timeout_at'])}" if s["timeout_at"] is not None else "no timeout"
+        return f"waiting for signal {s['key']!r} since {_iso(s['since'])} ({timeout})"
+    at = f"{_iso(s['until'])} (in {_span((s['until'] - t).total_seconds())})"
+    return f"{'snoozed' if s['kind'] == 'snooze' else 'sleeping'} until {at}"
+
+
+def _suspension(engine: Engine, job_id: int) -> dict[str, Any] | None:
+    """A suspended job's wait (_suspension_of_row) with ``text`` (as why says it), or None when
+    the job is not suspended: for `jobq show` and the dashboard's job page."""
+    d = _prepare(engine)
+    with engine.connect() as conn:
+        t = d.db_now(conn)
+        r = conn.execute(_q_job(job_id)).first()
+        out = None
+        if r is not None and r.state == "ready" and r.run_after > t:
+            last = conn.execute(_q_attempt_history(job_id, last=True)).first()
+            if last is not None and last.outcome in ("suspended", "snoozed"):
+                out = _suspension_of_row(conn, r, last.outcome)
+                out["text"] = _suspension_text(out, t)
+        conn.rollback()
+    return out
 
 
 def _global_hold(conn: Connection, g: GlobalLimit, in_flight: int, now: _dt.datetime) -> str:
@@ -644,8 +710,9 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
         ``in_flight`` (per group, including slots held by abandoned
         handlers), ``oldest_ready`` (the ``run_after`` of the longest-waiting due job, or
         None), ``next_scheduled`` (the earliest ``run_after`` of a scheduled job, or None),
-        ``expired_leases`` (awaiting reclaim), ``awaiting_signal`` (scheduled ready jobs
-        suspended until a signal, see ``ctx.wait_for``), ``recent_failures`` (up to 5: id, type, error,
+        ``expired_leases`` (awaiting reclaim), ``suspended`` (scheduled ready jobs whose
+        handler suspended them, holding no slot: waiting for a signal, sleeping or snoozed),
+        ``awaiting_signal`` (those of them suspended until a signal, see ``ctx.wait_for``), ``recent_failures`` (up to 5: id, type, error,
         finished_at), ``now`` (the database clock), and ``totals`` if asked for. Times are
         naive UTC, as stored.
     """
@@ -675,6 +742,7 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
             "in_flight": _in_flight_counts(conn, now), "oldest_ready": oldest, "next_scheduled": upcoming,
             "expired_leases": conn.execute(_q_expired_count(now)).scalar_one(),
             "awaiting_signal": conn.execute(_q_awaiting_signal()).scalar_one(),
+            "suspended": conn.execute(_q_suspended_count(now)).scalar_one(),
             "recent_failures": [dict(r._mapping) for r in conn.execute(_q_recent_failures(since))], "now": now,
         }
         if totals:

@@ -220,6 +220,15 @@ def _q_awaiting_signal() -> sa.Select[Any]:
             .where(_waits.c.kind == "signal", _waits.c.waiting == _TRUE, _state_is("ready")))
 
 
+def _q_suspended_count(now: _dt.datetime) -> sa.Select[Any]:
+    # stats: ready jobs not yet due whose newest attempt ended suspended or snoozed (waits.py),
+    # as why() tells them; through the ready index and ix_jobq_attempts_job (job_id, id).
+    a, newest = _attempts.c, _attempts.alias("newest").c
+    last = sa.select(sa.func.max(newest.id)).where(newest.job_id == _c.id).correlate(_jobs).scalar_subquery()
+    return sa.select(sa.func.count()).where(_state_is("ready"), _c.run_after > now, sa.exists().where(
+        a.job_id == _c.id, a.id == last, a.outcome.in_(("suspended", "snoozed"))).correlate(_jobs))
+
+
 def _q_waiting_count() -> sa.Select[Any]:
     return sa.select(sa.func.count()).where(_state_is("waiting"))
 
@@ -1178,6 +1187,33 @@ def _q_suspend(job_id: int, owner: str | None, token: str | None, run_after: _dt
 
 def _q_delete_waits(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_waits).where(_wc.job_id.in_(ids))
+
+
+def _signal_prunable(cutoff: _dt.datetime) -> list[sa.ColumnElement[bool]]:
+    """A signal nobody can still receive (prune; see signal()'s docstring): sent before
+    ``cutoff`` (a key only awaited: made before it), and no unfinished job has waited for its
+    key. prune's read and its locked re-check share it."""
+    waiter = sa.alias(_jobs, "waiter")
+    return [
+        sa.or_(_sg.sent_at < cutoff, sa.and_(_sg.sent_at.is_(None), _sg.created_at < cutoff)),
+        ~sa.exists().where(_wc.kind == "signal", _wc.name == _sg.key, waiter.c.id == _wc.job_id,
+                           waiter.c.state.not_in(TERMINAL)),
+    ]
+
+
+def _q_prunable_signals(cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
+    return sa.select(_sg.key).where(*_signal_prunable(cutoff)).order_by(_sg.key).limit(batch)
+
+
+def _q_lock_prunable_signals(d: _Dialect, keys: Sequence[str], cutoff: _dt.datetime) -> sa.Select[Any]:
+    # Locked in key order, re-checked: a suspension on a key locks its row first (waits.py),
+    # so one that committed before this lock is seen here, and a later one waits for the delete.
+    stmt = sa.select(_sg.key).where(_sg.key.in_(keys), *_signal_prunable(cutoff)).order_by(_sg.key)
+    return stmt.with_for_update() if d.row_locks else stmt
+
+
+def _q_delete_signals(keys: Sequence[str]) -> sa.Delete:
+    return sa.delete(_signals).where(_sg.key.in_(keys))
 
 
 # ---- shared expressions -----------------------------------------------------------------------

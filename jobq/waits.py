@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import orm
 from sqlalchemy.engine import Connection, Engine
 
-from .base import LeaseLost, _checkpoint, _Suspension
+from .base import JobqError, LeaseLost, _checkpoint, _Suspension
 from .drivers import _Dialect, _engine_of, _prepare, _target_connection, _transaction
 from .schema import _NEVER
 from .sql import (
@@ -45,10 +45,20 @@ def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = N
     """Send the signal ``key``: every job waiting for it in ``ctx.wait_for(key)`` becomes due
     now, and every ``ctx.wait_for(key)`` from now on returns ``payload`` at once.
 
-    A signal is a fact, not a message: it is kept (``prune`` leaves jobq_signals alone), read by every
-    job that waits for its key, before or after it was sent, and only the first signal of a
-    key counts (a second one changes nothing and returns False: a webhook delivered twice
-    wakes nobody twice).
+    A signal is a fact, not a message: it is kept, read by every job that waits for its key,
+    before or after it was sent, and only the first signal of a key counts (a second one
+    changes nothing and returns False: a webhook delivered twice wakes nobody twice).
+
+    ``prune(engine, older_than)`` deletes the signals nobody can still receive: a signal sent
+    more than ``older_than`` ago (a key only awaited, never sent: made that long ago) whose key
+    no unfinished job has waited for, that is, no job that suspended on the key or timed out
+    waiting for it is still unfinished (a woken job's re-run reads the signal again, so it is
+    kept until that job finishes). A job that has not waited yet cannot be known: a signal
+    sent before its job waits is kept for ``older_than`` whatever happens, and a job that first
+    waits for a key after its signal was pruned waits for it anew (until its timeout). So keep
+    ``older_than`` longer than the longest time between a signal and the first wait for it, as
+    for pruned upstreams; the same holds for a job that read a signal at once (without
+    suspending) and later runs again after a failure.
 
     Args:
         target: an Engine (jobq commits its own transaction) or a Connection/Session (the
@@ -69,8 +79,7 @@ def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = N
 
     def run(conn: Connection, d: _Dialect) -> bool:
         now = d.db_now(conn)
-        d.insert_signal_key(conn, key, now)
-        conn.execute(_q_lock_signal(d, key)).one()
+        _lock_key(conn, d, key, now)
         if not conn.execute(_q_send_signal(key, payload, now)).rowcount:
             return False
         waiting = list(conn.execute(_q_waiters(key)).scalars())
@@ -121,8 +130,7 @@ def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tup
         return "suspend", _Suspension("signal", key, until=until, since=since)
     # Timed out: decided under the key's lock, so a signal either committed first (and wins)
     # or comes after the timeout is recorded (and this job never reads it).
-    d.insert_signal_key(conn, key, now)
-    locked = conn.execute(_q_lock_signal(d, key)).one()
+    locked = _lock_key(conn, d, key, now)
     _checkpoint("wait_timeout_checked", [job_id])
     if locked.sent_at is not None:
         return "value", locked.payload
@@ -130,6 +138,17 @@ def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tup
         raise LeaseLost(f"job {job_id}: this dispatch no longer holds the lease; the wait's timeout was not recorded")
     _put_wait(conn, job_id, "signal", key, row is not None, since=since, until=until, waiting=False, resolved="timeout")
     return "timeout", None
+
+
+def _lock_key(conn: Connection, d: _Dialect, key: str, now: _dt.datetime) -> Any:
+    """The key's jobq_signals row (payload, sent_at), made if missing and locked. A prune that
+    deleted the row while this waited for its lock leaves nothing to lock: make it again."""
+    for _ in range(5):  # a row made now is younger than any prune's cutoff: once is enough
+        d.insert_signal_key(conn, key, now)
+        row = conn.execute(_q_lock_signal(d, key)).first()
+        if row is not None:
+            return row
+    raise JobqError(f"signal {key!r}: its row was deleted under every lock taken on it")
 
 
 def _put_wait(conn: Connection, job_id: int, kind: str, name: str, exists: bool, **values: Any) -> None:
@@ -165,8 +184,7 @@ def _write_suspension(conn: Connection, d: _Dialect, o: _Outcome, now: _dt.datet
     due = w.until
     waiting = False
     if w.kind == "signal":
-        d.insert_signal_key(conn, w.name, now)
-        sent = conn.execute(_q_lock_signal(d, w.name)).one().sent_at is not None
+        sent = _lock_key(conn, d, w.name, now).sent_at is not None
         _checkpoint("suspend_checked", [o.job_id])
         waiting = not sent
         due = now if sent else (w.until or _NEVER)

@@ -1285,6 +1285,15 @@ def _q_awaiting_signal() -> sa.Select[Any]:
             .where(_waits.c.kind == "signal", _waits.c.waiting == _TRUE, _state_is("ready")))
 
 
+def _q_suspended_count(now: _dt.datetime) -> sa.Select[Any]:
+    # stats: ready jobs not yet due whose newest attempt ended suspended or snoozed (waits.py),
+    # as why() tells them; through the ready index and ix_jobq_attempts_job (job_id, id).
+    a, newest = _attempts.c, _attempts.alias("newest").c
+    last = sa.select(sa.func.max(newest.id)).where(newest.job_id == _c.id).correlate(_jobs).scalar_subquery()
+    return sa.select(sa.func.count()).where(_state_is("ready"), _c.run_after > now, sa.exists().where(
+        a.job_id == _c.id, a.id == last, a.outcome.in_(("suspended", "snoozed"))).correlate(_jobs))
+
+
 def _q_waiting_count() -> sa.Select[Any]:
     return sa.select(sa.func.count()).where(_state_is("waiting"))
 
@@ -2243,6 +2252,33 @@ def _q_suspend(job_id: int, owner: str | None, token: str | None, run_after: _dt
 
 def _q_delete_waits(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_waits).where(_wc.job_id.in_(ids))
+
+
+def _signal_prunable(cutoff: _dt.datetime) -> list[sa.ColumnElement[bool]]:
+    """A signal nobody can still receive (prune; see signal()'s docstring): sent before
+    ``cutoff`` (a key only awaited: made before it), and no unfinished job has waited for its
+    key. prune's read and its locked re-check share it."""
+    waiter = sa.alias(_jobs, "waiter")
+    return [
+        sa.or_(_sg.sent_at < cutoff, sa.and_(_sg.sent_at.is_(None), _sg.created_at < cutoff)),
+        ~sa.exists().where(_wc.kind == "signal", _wc.name == _sg.key, waiter.c.id == _wc.job_id,
+                           waiter.c.state.not_in(TERMINAL)),
+    ]
+
+
+def _q_prunable_signals(cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
+    return sa.select(_sg.key).where(*_signal_prunable(cutoff)).order_by(_sg.key).limit(batch)
+
+
+def _q_lock_prunable_signals(d: _Dialect, keys: Sequence[str], cutoff: _dt.datetime) -> sa.Select[Any]:
+    # Locked in key order, re-checked: a suspension on a key locks its row first (waits.py),
+    # so one that committed before this lock is seen here, and a later one waits for the delete.
+    stmt = sa.select(_sg.key).where(_sg.key.in_(keys), *_signal_prunable(cutoff)).order_by(_sg.key)
+    return stmt.with_for_update() if d.row_locks else stmt
+
+
+def _q_delete_signals(keys: Sequence[str]) -> sa.Delete:
+    return sa.delete(_signals).where(_sg.key.in_(keys))
 
 
 # ---- shared expressions -----------------------------------------------------------------------
@@ -5345,10 +5381,20 @@ def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = N
     """Send the signal ``key``: every job waiting for it in ``ctx.wait_for(key)`` becomes due
     now, and every ``ctx.wait_for(key)`` from now on returns ``payload`` at once.
 
-    A signal is a fact, not a message: it is kept (``prune`` leaves jobq_signals alone), read by every
-    job that waits for its key, before or after it was sent, and only the first signal of a
-    key counts (a second one changes nothing and returns False: a webhook delivered twice
-    wakes nobody twice).
+    A signal is a fact, not a message: it is kept, read by every job that waits for its key,
+    before or after it was sent, and only the first signal of a key counts (a second one
+    changes nothing and returns False: a webhook delivered twice wakes nobody twice).
+
+    ``prune(engine, older_than)`` deletes the signals nobody can still receive: a signal sent
+    more than ``older_than`` ago (a key only awaited, never sent: made that long ago) whose key
+    no unfinished job has waited for, that is, no job that suspended on the key or timed out
+    waiting for it is still unfinished (a woken job's re-run reads the signal again, so it is
+    kept until that job finishes). A job that has not waited yet cannot be known: a signal
+    sent before its job waits is kept for ``older_than`` whatever happens, and a job that first
+    waits for a key after its signal was pruned waits for it anew (until its timeout). So keep
+    ``older_than`` longer than the longest time between a signal and the first wait for it, as
+    for pruned upstreams; the same holds for a job that read a signal at once (without
+    suspending) and later runs again after a failure.
 
     Args:
         target: an Engine (jobq commits its own transaction) or a Connection/Session (the
@@ -5369,8 +5415,7 @@ def signal(target: Engine | Connection | orm.Session, key: str, payload: Any = N
 
     def run(conn: Connection, d: _Dialect) -> bool:
         now = d.db_now(conn)
-        d.insert_signal_key(conn, key, now)
-        conn.execute(_q_lock_signal(d, key)).one()
+        _lock_key(conn, d, key, now)
         if not conn.execute(_q_send_signal(key, payload, now)).rowcount:
             return False
         waiting = list(conn.execute(_q_waiters(key)).scalars())
@@ -5421,8 +5466,7 @@ def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tup
         return "suspend", _Suspension("signal", key, until=until, since=since)
     # Timed out: decided under the key's lock, so a signal either committed first (and wins)
     # or comes after the timeout is recorded (and this job never reads it).
-    d.insert_signal_key(conn, key, now)
-    locked = conn.execute(_q_lock_signal(d, key)).one()
+    locked = _lock_key(conn, d, key, now)
     _checkpoint("wait_timeout_checked", [job_id])
     if locked.sent_at is not None:
         return "value", locked.payload
@@ -5430,6 +5474,17 @@ def _wait_answer(conn: Connection, d: _Dialect, job_id: int, token: str, op: tup
         raise LeaseLost(f"job {job_id}: this dispatch no longer holds the lease; the wait's timeout was not recorded")
     _put_wait(conn, job_id, "signal", key, row is not None, since=since, until=until, waiting=False, resolved="timeout")
     return "timeout", None
+
+
+def _lock_key(conn: Connection, d: _Dialect, key: str, now: _dt.datetime) -> Any:
+    """The key's jobq_signals row (payload, sent_at), made if missing and locked. A prune that
+    deleted the row while this waited for its lock leaves nothing to lock: make it again."""
+    for _ in range(5):  # a row made now is younger than any prune's cutoff: once is enough
+        d.insert_signal_key(conn, key, now)
+        row = conn.execute(_q_lock_signal(d, key)).first()
+        if row is not None:
+            return row
+    raise JobqError(f"signal {key!r}: its row was deleted under every lock taken on it")
 
 
 def _put_wait(conn: Connection, job_id: int, kind: str, name: str, exists: bool, **values: Any) -> None:
@@ -5465,8 +5520,7 @@ def _write_suspension(conn: Connection, d: _Dialect, o: _Outcome, now: _dt.datet
     due = w.until
     waiting = False
     if w.kind == "signal":
-        d.insert_signal_key(conn, w.name, now)
-        sent = conn.execute(_q_lock_signal(d, w.name)).one().sent_at is not None
+        sent = _lock_key(conn, d, w.name, now).sent_at is not None
         _checkpoint("suspend_checked", [o.job_id])
         waiting = not sent
         due = now if sent else (w.until or _NEVER)
@@ -7154,13 +7208,19 @@ def _walk_order(frontier: Sequence[int], down: Mapping[int, Sequence[int]], keep
 
 def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = ("done",), batch: int = 1000,
           now: _dt.datetime | None = None) -> int:
-    """Delete finished jobs that finished more than ``older_than`` ago, in bounded batches.
+    """Delete finished jobs that finished more than ``older_than`` ago, in bounded batches, and
+    the signals nobody can still receive.
 
     A job is kept while an unfinished job depends on it, while its container is unfinished,
     and (for a container) while any of its children remains. Each batch is one short
     transaction found through the finished-rows index, so the cost follows what is
     deleted, not the size of the history. A job re-opened meanwhile (:func:`retry`) is never
     deleted: each batch is locked and checked again before its delete.
+
+    Then the signals (:func:`jobq.signal`): a signal sent more than ``older_than`` ago (a key
+    only awaited, never sent: made that long ago) is deleted unless an unfinished job has
+    waited for its key (a ``ctx.wait_for`` that suspended or timed out on it); whatever
+    ``states`` says. The rule and its limits are in signal()'s docstring.
 
     Returns:
         How many jobs were deleted.
@@ -7190,6 +7250,32 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
         n = _transaction(engine, one)
         total += n
         if n == 0:  # a short batch may have freed containers whose children it deleted: go again
+            _prune_signals(engine, older_than, batch, now)
+            return total
+
+
+def _prune_signals(engine: Engine, older_than: _dt.timedelta, batch: int, now: _dt.datetime | None) -> int:
+    """prune's second part: the signals nobody can still receive (_signal_prunable), in
+    batches, each read, locked, checked again and deleted in one short transaction."""
+    total = 0
+    while True:
+
+        def one(conn: Connection, d: _Dialect) -> int:
+            cutoff = (now or d.db_now(conn)) - older_than
+            read = list(conn.execute(_q_prunable_signals(cutoff, batch)).scalars())
+            _checkpoint("prune_signals_read", read)
+            keys = list(conn.execute(_q_lock_prunable_signals(d, read, cutoff)).scalars()) if read else []
+            _checkpoint("prune_signals_locked", keys)
+            if keys:
+                conn.execute(_q_delete_signals(keys))
+            return len(keys)
+
+        n = _transaction(engine, one)
+        total += n
+        if n < batch:
+            if total:
+                logger.info("jobq prune: deleted %d signal(s) nobody can still receive", total,
+                            extra={"action": "prune_signals"})
             return total
 
 
@@ -7319,14 +7405,44 @@ def why(engine: Engine, job_id: int, *, now: _dt.datetime | None = None) -> str:
 
 def _suspended_text(conn: Connection, head: str, r: Any, outcome: str, t: _dt.datetime) -> str:
     """why's line for a suspended job (waits.py): the signal it waits for, or its sleep's end."""
-    at = f"{_iso(r.run_after)} (in {_span((r.run_after - t).total_seconds())})"
+    return f"{head} is {_suspension_text(_suspension_of_row(conn, r, outcome), t)}, holding no slot"
+
+
+def _suspension_of_row(conn: Connection, r: Any, outcome: str) -> dict[str, Any]:
+    """What a suspended job (``r``, its newest attempt ``outcome``) waits for: kind "signal"
+    (key, since, timeout_at), "sleep" or "snooze" (until)."""
     if outcome == "snoozed":
-        return f"{head} is snoozed until {at}, holding no slot"
+        return {"kind": "snooze", "until": r.run_after}
     w = conn.execute(_q_signal_waits(r.id)).first()
     if w is not None:
-        timeout = f"timeout at {_iso(w.until)}" if w.until is not None else "no timeout"
-        return f"{head} is waiting for signal {w.name!r} since {_iso(w.since)} ({timeout}), holding no slot"
-    return f"{head} is sleeping until {at}, holding no slot"
+        return {"kind": "signal", "key": w.name, "since": w.since, "timeout_at": w.until}
+    return {"kind": "sleep", "until": r.run_after}
+
+
+def _suspension_text(s: Mapping[str, Any], t: _dt.datetime) -> str:
+    """"waiting for signal 'k' since T (timeout at T2)", "sleeping until T (in 5m)"."""
+    if s["kind"] == "signal":
+        timeout = f"timeout at {_iso(s['timeout_at'])}" if s["timeout_at"] is not None else "no timeout"
+        return f"waiting for signal {s['key']!r} since {_iso(s['since'])} ({timeout})"
+    at = f"{_iso(s['until'])} (in {_span((s['until'] - t).total_seconds())})"
+    return f"{'snoozed' if s['kind'] == 'snooze' else 'sleeping'} until {at}"
+
+
+def _suspension(engine: Engine, job_id: int) -> dict[str, Any] | None:
+    """A suspended job's wait (_suspension_of_row) with ``text`` (as why says it), or None when
+    the job is not suspended: for `jobq show` and the dashboard's job page."""
+    d = _prepare(engine)
+    with engine.connect() as conn:
+        t = d.db_now(conn)
+        r = conn.execute(_q_job(job_id)).first()
+        out = None
+        if r is not None and r.state == "ready" and r.run_after > t:
+            last = conn.execute(_q_attempt_history(job_id, last=True)).first()
+            if last is not None and last.outcome in ("suspended", "snoozed"):
+                out = _suspension_of_row(conn, r, last.outcome)
+                out["text"] = _suspension_text(out, t)
+        conn.rollback()
+    return out
 
 
 def _global_hold(conn: Connection, g: GlobalLimit, in_flight: int, now: _dt.datetime) -> str:
@@ -7434,8 +7550,9 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
         ``in_flight`` (per group, including slots held by abandoned
         handlers), ``oldest_ready`` (the ``run_after`` of the longest-waiting due job, or
         None), ``next_scheduled`` (the earliest ``run_after`` of a scheduled job, or None),
-        ``expired_leases`` (awaiting reclaim), ``awaiting_signal`` (scheduled ready jobs
-        suspended until a signal, see ``ctx.wait_for``), ``recent_failures`` (up to 5: id, type, error,
+        ``expired_leases`` (awaiting reclaim), ``suspended`` (scheduled ready jobs whose
+        handler suspended them, holding no slot: waiting for a signal, sleeping or snoozed),
+        ``awaiting_signal`` (those of them suspended until a signal, see ``ctx.wait_for``), ``recent_failures`` (up to 5: id, type, error,
         finished_at), ``now`` (the database clock), and ``totals`` if asked for. Times are
         naive UTC, as stored.
     """
@@ -7465,6 +7582,7 @@ def stats(engine: Engine, *, window: _dt.timedelta = _dt.timedelta(hours=1), tot
             "in_flight": _in_flight_counts(conn, now), "oldest_ready": oldest, "next_scheduled": upcoming,
             "expired_leases": conn.execute(_q_expired_count(now)).scalar_one(),
             "awaiting_signal": conn.execute(_q_awaiting_signal()).scalar_one(),
+            "suspended": conn.execute(_q_suspended_count(now)).scalar_one(),
             "recent_failures": [dict(r._mapping) for r in conn.execute(_q_recent_failures(since))], "now": now,
         }
         if totals:
@@ -10062,9 +10180,17 @@ def _per_group_text(counts: Mapping[str, int]) -> str:
             + f", and {len(busy) - _STATUS_GROUPS:,} more groups (the busiest shown; --json lists all)")
 
 
+def _suspended_count_text(st: Mapping[str, Any]) -> str:
+    """", 2 of them suspended (1 waiting for a signal)": scheduled jobs that hold no slot."""
+    n, signal_ = st.get("suspended", 0), st.get("awaiting_signal", 0)
+    if not n and not signal_:
+        return ""
+    return f", {max(n, signal_)} of them suspended" + (f" ({signal_} waiting for a signal)" if signal_ else "")
+
+
 def _status_text(st: Mapping[str, Any]) -> str:
     window = f"{st['window_seconds'] / 3600:g}h"
-    awaiting = f", {st['awaiting_signal']} of them waiting for a signal" if st.get("awaiting_signal") else ""
+    awaiting = _suspended_count_text(st)
     states = "  ".join(f"{k}={v}" + (f" ({st['ready_due']} due, {st['ready_scheduled']} scheduled{awaiting})"
                                       if k == "ready" else "")
                        for k, v in st["states"].items() if k not in TERMINAL)
@@ -10161,7 +10287,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("key", metavar="KEY")
     p.add_argument("--payload", default="null", metavar="JSON", help="what ctx.wait_for returns: any JSON value "
                    "(default: null)")
-    p = add("prune", "delete finished jobs older than a duration")
+    p = add("prune", "delete finished jobs older than a duration, and the signals nobody can still receive")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
     p = add("graph", "a job's or container's DAG as Mermaid or Graphviz DOT (--json: nodes and edges)")
@@ -10344,12 +10470,15 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
             dependents = list(conn.execute(_q_dependent_ids(ns.id)).scalars())
             children = list(conn.execute(_q_child_ids(ns.id)).scalars())
             conn.rollback()
-        data = {**dataclasses.asdict(info), "dependents": dependents, "children": children}
+        data = {**dataclasses.asdict(info), "dependents": dependents, "children": children,
+                "suspended": _suspension(engine, ns.id)}
         history = [dataclasses.asdict(a) for a in attempts(engine, ns.id)]
         if ns.json:
             _print_json({**data, "history": history})
         else:
             for k, v in data.items():
+                if k == "suspended":  # a suspended job: what it waits for, as why says it
+                    v = None if v is None else f"{v['text']}, holding no slot"
                 print(f"{k:>17}: {_text(list(v) if isinstance(v, tuple) else v)}")
             print(f"{'history':>17}: " + ("no attempt has ended" if not history else ""))
             for a in history:
