@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> control -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> control -> metrics -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -48,6 +48,7 @@ from .control import cancel, prune, retry, stats, tick, why
 from .drivers import PG_NOTIFY_CHANNEL, SQLITE_BUSY_TIMEOUT_MS, TX_RETRIES
 from .jobs import AttemptInfo, JobInfo, attempts, create_schema, enqueue, get, submit
 from .limits import UNLIMITED, GlobalLimit, GroupPolicy, get_group, get_limit, groups, set_group, set_limit
+from .metrics import METRICS_BUCKETS, MetricsCollector
 from .outcomes import fail, finalize, heartbeat, reclaim, release
 from .policy import allocate, backoff, fair_share
 from .schema import ATTEMPT_OUTCOMES, SCHEMA_VERSION, START_LOG_RETENTION, STATES, TERMINAL, Base, Job, JobDep
@@ -79,6 +80,8 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_NAME_LENGTH",
+    "METRICS_BUCKETS",
+    "MetricsCollector",
     "NoRetry",
     "PG_NOTIFY_CHANNEL",
     "RetryPolicy",
@@ -141,6 +144,7 @@ from . import (
     fastpath,
     jobs,
     limits,
+    metrics,
     migrations,
     outcomes,
     policy,
@@ -153,7 +157,7 @@ from . import (
 
 #: The modules in import order: each imports only from those before it.
 _MODULES: tuple[types.ModuleType, ...] = (base, engines, schema, sql, fastpath, drivers, migrations, policy, validate,
-                                          claim_sql, limits, claiming, waits, outcomes, jobs, control, context, worker, asyncworker,
+                                          claim_sql, limits, claiming, waits, outcomes, jobs, control, metrics, context, worker, asyncworker,
                                           cli)
 
 

@@ -1243,3 +1243,46 @@ def _q_db_now_notify(d: _Dialect) -> sa.TextClause:
     also queues its wake-up."""
     return _prebuilt(d, "db_now_notify", lambda: sa.text(f"{d.now_sql}, {_NOTIFY_CALL}").bindparams(
         sa.bindparam("b_channel", type_=sa.String())))
+
+
+# ---- metrics (MetricsCollector): the live rows through their partial indexes, history by key
+
+
+def _q_metrics_ready(now: _dt.datetime) -> sa.Select[Any]:
+    """Per group: ready jobs, the due ones, and the oldest due ``run_after`` (one read of the
+    ready index, whose size follows the ready set, never the history)."""
+    due = _c.run_after <= now
+    return (sa.select(_c.group_key, sa.func.count(), sa.func.sum(sa.case((due, 1), else_=0)),
+                      sa.func.min(sa.case((due, _c.run_after)), type_=_TS))
+            .where(_state_is("ready")).group_by(_c.group_key))
+
+
+def _q_metrics_unready() -> sa.CompoundSelect[Any]:
+    """Per group and state: the waiting, leased, running and held jobs (each through its own
+    partial index: ix_jobs_waiting, ix_jobs_in_flight, ix_jobs_held)."""
+    cols = (_c.group_key, _c.state, sa.func.count())
+    return sa.union_all(
+        sa.select(*cols).where(_state_is("waiting")).group_by(_c.group_key, _c.state),
+        sa.select(*cols).where(_c.in_flight == _TRUE).group_by(_c.group_key, _c.state),
+        sa.select(*cols).where(_state_is("held"), _c.spawned_by.is_not(None)).group_by(_c.group_key, _c.state),
+    )
+
+
+_Q_METRICS_MARKS = sa.select(sa.select(sa.func.max(_attempts.c.id)).scalar_subquery(),
+                             sa.select(sa.func.max(_starts.c.id)).scalar_subquery())
+
+
+def _q_metrics_attempts(after: int, limit: int) -> sa.Select[Any]:
+    """Attempt rows past ``after`` by primary key, with their job's type and where it stands
+    now (a primary-key lookup each; a pruned job leaves NULLs)."""
+    a = _attempts.c
+    return (sa.select(a.id, a.attempt, a.outcome, a.started_at, a.finished_at, _c.type, _c.state, _c.attempts,
+                      _c.run_after)
+            .select_from(_attempts.outerjoin(_jobs, _c.id == a.job_id))
+            .where(a.id > after).order_by(a.id).limit(limit))
+
+
+def _q_metrics_starts(after: int, limit: int) -> sa.Select[Any]:
+    """Start-log rows past ``after`` by primary key (one per group per claim, ``n`` jobs each)."""
+    s = _starts.c
+    return sa.select(s.id, s.group_key, s.n, s.started_at).where(s.id > after).order_by(s.id).limit(limit)

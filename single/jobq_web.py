@@ -10,7 +10,7 @@ framework (see docs/guides/dashboard.md).
 
 Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list with filters and
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
-``/groups``. Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
+``/groups``; ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
 ``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``)
 need the token (a session cookie from ``/login``, or ``Authorization: Bearer <token>``) and,
 with the cookie, a CSRF field; without a token the dashboard is read-only. A GET of an
@@ -506,6 +506,7 @@ class Dashboard:
         self.hide_args = hide_args
         self.title = title
         self._secrets = _jq._url_secrets(engine.url.render_as_string(hide_password=False))
+        self._collector: Any = None  # /metrics: made at the first scrape
 
     # ---- auth: a session cookie (HMAC of the token) plus a CSRF field, or a bearer token
 
@@ -599,6 +600,8 @@ class Dashboard:
             return self._static(parts[1])
         if not api and parts in (["login"], ["logout"]):
             return self._login(req, parts[0])
+        if not api and parts in (["metrics"], ["healthz"]) and not post:
+            return self._metrics() if parts == ["metrics"] else _healthz(self.engine)
         job_action = len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("retry", "cancel")
         group_action = len(parts) >= 2 and parts[0] == "groups" and parts[-1] in ("pause", "resume")
         if parts == ["signals", "send"]:  # a signal: ?key=K (&job=ID, the page to return to)
@@ -838,6 +841,17 @@ class Dashboard:
             return 200, [("Content-Type", "text/javascript; charset=utf-8")], _JS.encode()
         raise _HttpError(404, f"no file {name}")
 
+    def _metrics(self) -> _Response:
+        """Prometheus's text format from one MetricsCollector per dashboard (its counters grow
+        from the dashboard's start); 501 without prometheus_client."""
+        try:
+            import prometheus_client
+        except ImportError:
+            raise _HttpError(501, "metrics need prometheus_client: pip install 'jobq[prometheus]'") from None
+        if self._collector is None:
+            self._collector = jobq.MetricsCollector(self.engine)
+        return 200, [("Content-Type", prometheus_client.CONTENT_TYPE_LATEST)], self._collector.text()
+
     # ---- responses
 
     def _json(self, data: Any, status: int = 200) -> _Response:
@@ -1015,6 +1029,25 @@ class Dashboard:
         limit = (f'<p id="global-limits">Global limit over all groups (stored, every worker): '
                  f'{_global_html(d["global_limit"])}</p>')
         return f"<h1>Groups</h1>{limit}{note}{table}{pager}</p>"
+
+
+def _healthz(engine: sa.Engine) -> _Response:
+    """/healthz: 200 and a small JSON when the database answers with the schema this jobq
+    expects; 503 and one line of plain text saying what is wrong otherwise."""
+    def fail(reason: str) -> _Response:
+        return 503, [("Content-Type", "text/plain; charset=utf-8")], reason.encode() + b"\n"
+
+    try:
+        with engine.connect() as conn:
+            found = conn.execute(_jq._q_schema_version()).scalar()
+            conn.rollback()
+    except sa.exc.SQLAlchemyError as exc:
+        return fail(f"database unreachable or without jobq's tables ({type(exc).__name__})")
+    if found is None or int(found) != jobq.SCHEMA_VERSION:
+        return fail(f"schema version {found}, this jobq needs {jobq.SCHEMA_VERSION}: "
+                    + ("run jobq init" if found is None or int(found) < jobq.SCHEMA_VERSION else "upgrade jobq"))
+    body = json.dumps({"status": "ok", "schema_version": int(found)}).encode()
+    return 200, [("Content-Type", "application/json")], body
 
 
 def _global_html(g: Mapping[str, Any]) -> str:
