@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> control -> metrics -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -53,6 +53,7 @@ from .outcomes import fail, finalize, heartbeat, reclaim, release
 from .policy import allocate, backoff, fair_share
 from .schema import ATTEMPT_OUTCOMES, SCHEMA_VERSION, START_LOG_RETENTION, STATES, TERMINAL, Base, Job, JobDep
 from .sql import ready_set
+from .tracing import propagate_trace_context, trace_attempts
 from .validate import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_NAME_LENGTH
 from .waits import signal
 from .worker import Worker
@@ -116,6 +117,7 @@ __all__ = [
     "groups",
     "heartbeat",
     "main",
+    "propagate_trace_context",
     "prune",
     "ready_set",
     "reclaim",
@@ -127,6 +129,7 @@ __all__ = [
     "stats",
     "submit",
     "tick",
+    "trace_attempts",
     "why",
 ]
 
@@ -150,6 +153,7 @@ from . import (
     policy,
     schema,
     sql,
+    tracing,
     validate,
     waits,
     worker,
@@ -157,7 +161,7 @@ from . import (
 
 #: The modules in import order: each imports only from those before it.
 _MODULES: tuple[types.ModuleType, ...] = (base, engines, schema, sql, fastpath, drivers, migrations, policy, validate,
-                                          claim_sql, limits, claiming, waits, outcomes, jobs, control, metrics, context, worker, asyncworker,
+                                          claim_sql, limits, claiming, waits, outcomes, jobs, control, metrics, tracing, context, worker, asyncworker,
                                           cli)
 
 

@@ -24,6 +24,10 @@ __version__ = "0.1.0"
 logger = logging.getLogger("jobq")
 logger.addHandler(logging.NullHandler())
 
+#: The current span's W3C traceparent, read by every new job row while trace propagation is on
+#: (jobq.propagate_trace_context sets it; empty: nothing read, nothing stored, no import).
+_TRACE_CONTEXT: list[Callable[[], str | None]] = []
+
 #: Every action an Event can carry, in rough lifecycle order.
 EVENT_ACTIONS = (
     "claimed",

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import orm
 from sqlalchemy.engine import Connection, Engine
 
-from .base import InvalidJob, JobqError, LeaseLost, UniqueKeyHeld, _checkpoint, _chunks
+from .base import _TRACE_CONTEXT, InvalidJob, JobqError, LeaseLost, UniqueKeyHeld, _checkpoint, _chunks
 from .drivers import _Dialect, _engine_of, _prepare, _schema_guard, _target_connection, _transaction
 from .fastpath import _hot_rows
 from .migrations import _Q_META_ROWS, _Q_SEED_META, _upgrade
@@ -261,6 +261,8 @@ def _job_row(spec: _JobSpec, now: _dt.datetime, *, state: str, pending_deps: int
         attempts=0, in_flight=False, cancel_requested=False, pending_deps=pending_deps,
         pending_children=pending_children, failed_children=0, spawned_by=None, spawn_token=None,
     )
+    if _TRACE_CONTEXT:
+        row["trace_parent"] = _TRACE_CONTEXT[0]()
     return row
 
 

@@ -27,6 +27,7 @@ _DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
 _DDL_PRIORITY = sa.DDL("ALTER TABLE jobs ADD COLUMN priority INTEGER DEFAULT 0 NOT NULL")
 _DDL_SPAWNED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN spawned_by BIGINT")
 _DDL_SPAWN_TOKEN = sa.DDL("ALTER TABLE jobs ADD COLUMN spawn_token VARCHAR(32)")
+_DDL_TRACE_PARENT = sa.DDL("ALTER TABLE jobs ADD COLUMN trace_parent VARCHAR(64)")
 _Q_SQLITE_JOBS_SQL = sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'")
 _Q_SQLITE_OLD_INDEXES = sa.text(
     "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobq_jobs_old' AND sql IS NOT NULL"
@@ -99,6 +100,13 @@ def _step_5(conn: Connection, d: _Dialect) -> None:
 def _step_6(conn: Connection, d: _Dialect) -> None:
     """5 -> 6: signals and waits (jobq_signals, jobq_waits), new tables made by create_all
     before any step; nothing on the jobs table changes."""
+
+
+def _step_7(conn: Connection, d: _Dialect) -> None:
+    """6 -> 7: jobs.trace_parent, the enqueuing span's trace context (nullable, no default: an
+    instant change of the table's definition on every engine, no rewrite)."""
+    if "trace_parent" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
+        conn.execute(_DDL_TRACE_PARENT)
 
 
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
@@ -221,4 +229,5 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
     (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
+    (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context)"),
 )

@@ -26,7 +26,7 @@ from .engines import _ID, _JSONCOL, _NAME, _TEXT, _TS, _facts, _table_options, _
 #             finalize that commits the spawner's result releases it to waiting/ready; every
 #             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -119,6 +119,9 @@ class Job(Base):
     #: the lease token of that dispatch: only its fenced finalize releases the job.
     spawned_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
     spawn_token: orm.Mapped[str | None] = orm.mapped_column(sa.String(32), nullable=True)
+    #: The W3C ``traceparent`` of the span that enqueued the job (schema 7), written only while
+    #: trace propagation is on (jobq.propagate_trace_context); an attempt's span is its child.
+    trace_parent: orm.Mapped[str | None] = orm.mapped_column(sa.String(64), nullable=True)
 
     __table_args__ = (
         # A container's children name it. jobq itself checks a parent under lock (enqueue and

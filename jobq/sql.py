@@ -1286,3 +1286,8 @@ def _q_metrics_starts(after: int, limit: int) -> sa.Select[Any]:
     """Start-log rows past ``after`` by primary key (one per group per claim, ``n`` jobs each)."""
     s = _starts.c
     return sa.select(s.id, s.group_key, s.n, s.started_at).where(s.id > after).order_by(s.id).limit(limit)
+
+
+def _q_trace_parent(job_id: int) -> sa.Select[Any]:
+    """A job's stored trace context (tracing: one primary-key read per started attempt)."""
+    return sa.select(_c.trace_parent).where(_c.id == job_id)

@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> control -> metrics -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -114,6 +114,7 @@ __all__ = [
     "groups",
     "heartbeat",
     "main",
+    "propagate_trace_context",
     "prune",
     "ready_set",
     "reclaim",
@@ -125,6 +126,7 @@ __all__ = [
     "stats",
     "submit",
     "tick",
+    "trace_attempts",
     "why",
 ]
 
@@ -145,6 +147,10 @@ __version__ = "0.1.0"
 #: The library logger. jobq adds only a NullHandler; configure it in your application.
 logger = logging.getLogger("jobq")
 logger.addHandler(logging.NullHandler())
+
+#: The current span's W3C traceparent, read by every new job row while trace propagation is on
+#: (jobq.propagate_trace_context sets it; empty: nothing read, nothing stored, no import).
+_TRACE_CONTEXT: list[Callable[[], str | None]] = []
 
 #: Every action an Event can carry, in rough lifecycle order.
 EVENT_ACTIONS = (
@@ -779,7 +785,7 @@ _TEXT = _column_type("text", sa.Text())
 #             finalize that commits the spawner's result releases it to waiting/ready; every
 #             other end of that dispatch deletes it. Nothing claims, runs or rolls it up.
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 STATES = ("waiting", "ready", "leased", "running", "done", "failed", "cancelled", "held")
 TERMINAL = ("done", "failed", "cancelled")
 _LIVE = ("leased", "running")
@@ -871,6 +877,9 @@ class Job(Base):
     #: the lease token of that dispatch: only its fenced finalize releases the job.
     spawned_by: orm.Mapped[int | None] = orm.mapped_column(_ID, nullable=True)
     spawn_token: orm.Mapped[str | None] = orm.mapped_column(sa.String(32), nullable=True)
+    #: The W3C ``traceparent`` of the span that enqueued the job (schema 7), written only while
+    #: trace propagation is on (jobq.propagate_trace_context); an attempt's span is its child.
+    trace_parent: orm.Mapped[str | None] = orm.mapped_column(sa.String(64), nullable=True)
 
     __table_args__ = (
         # A container's children name it. jobq itself checks a parent under lock (enqueue and
@@ -2356,6 +2365,11 @@ def _q_metrics_starts(after: int, limit: int) -> sa.Select[Any]:
     return sa.select(s.id, s.group_key, s.n, s.started_at).where(s.id > after).order_by(s.id).limit(limit)
 
 
+def _q_trace_parent(job_id: int) -> sa.Select[Any]:
+    """A job's stored trace context (tracing: one primary-key read per started attempt)."""
+    return sa.select(_c.trace_parent).where(_c.id == job_id)
+
+
 # ==============================================================================================
 # jobq/fastpath.py
 # ==============================================================================================
@@ -3401,6 +3415,7 @@ _DDL_CLOSED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN closed_by BIGINT")
 _DDL_PRIORITY = sa.DDL("ALTER TABLE jobs ADD COLUMN priority INTEGER DEFAULT 0 NOT NULL")
 _DDL_SPAWNED_BY = sa.DDL("ALTER TABLE jobs ADD COLUMN spawned_by BIGINT")
 _DDL_SPAWN_TOKEN = sa.DDL("ALTER TABLE jobs ADD COLUMN spawn_token VARCHAR(32)")
+_DDL_TRACE_PARENT = sa.DDL("ALTER TABLE jobs ADD COLUMN trace_parent VARCHAR(64)")
 _Q_SQLITE_JOBS_SQL = sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'")
 _Q_SQLITE_OLD_INDEXES = sa.text(
     "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'jobq_jobs_old' AND sql IS NOT NULL"
@@ -3473,6 +3488,13 @@ def _step_5(conn: Connection, d: _Dialect) -> None:
 def _step_6(conn: Connection, d: _Dialect) -> None:
     """5 -> 6: signals and waits (jobq_signals, jobq_waits), new tables made by create_all
     before any step; nothing on the jobs table changes."""
+
+
+def _step_7(conn: Connection, d: _Dialect) -> None:
+    """6 -> 7: jobs.trace_parent, the enqueuing span's trace context (nullable, no default: an
+    instant change of the table's definition on every engine, no rewrite)."""
+    if "trace_parent" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
+        conn.execute(_DDL_TRACE_PARENT)
 
 
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
@@ -3595,6 +3617,7 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
     (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
+    (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context)"),
 )
 
 
@@ -6364,6 +6387,8 @@ def _job_row(spec: _JobSpec, now: _dt.datetime, *, state: str, pending_deps: int
         attempts=0, in_flight=False, cancel_requested=False, pending_deps=pending_deps,
         pending_children=pending_children, failed_children=0, spawned_by=None, spawn_token=None,
     )
+    if _TRACE_CONTEXT:
+        row["trace_parent"] = _TRACE_CONTEXT[0]()
     return row
 
 
@@ -7853,6 +7878,99 @@ class MetricsCollector:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         return generate_latest(registry)  # type: ignore[no-any-return]
+
+
+# ==============================================================================================
+# jobq/tracing.py
+# ==============================================================================================
+# OpenTelemetry traces: the enqueuing span's context stored with each job, and a span per
+# attempt made from the worker's events as its child. opentelemetry is imported only by the two
+# functions here (the ``jobq[otel]`` extra).
+
+#: Events that end an attempt, and the outcome its span records.
+_ENDS = {"finished": "done", "failed": "failed", "retried": "retried", "cancelled": "cancelled",
+         "timed_out": "timeout", "released": "released", "lease_lost": "lease_lost", "suspended": "suspended",
+         "snoozed": "snoozed", "db_error": "db_error"}
+
+
+def propagate_trace_context(enabled: bool = True) -> None:
+    """Store the current OpenTelemetry span's context (its W3C ``traceparent``) with every job
+    this process enqueues or submits from now on, so that each attempt's span
+    (:func:`trace_attempts`) is a child of the span that enqueued the job. Off by default:
+    until this is called jobq neither imports OpenTelemetry nor writes the column.
+
+    Args:
+        enabled: False turns propagation off again.
+
+    Raises:
+        ImportError: opentelemetry-api is not installed (``pip install jobq[otel]``).
+    """
+    _TRACE_CONTEXT.clear()
+    if not enabled:
+        return
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    w3c = TraceContextTextMapPropagator()
+
+    def current() -> str | None:
+        carrier: dict[str, str] = {}
+        w3c.inject(carrier)
+        return carrier.get("traceparent")
+
+    _TRACE_CONTEXT.append(current)
+
+
+def trace_attempts(engine: Engine, *, on_event: Callable[[Event], None] | None = None,
+                   tracer_provider: Any = None) -> Callable[[Event], None]:
+    """An ``on_event`` callback for :class:`Worker` or :class:`AsyncWorker` that makes one
+    OpenTelemetry span per attempt: started when the worker starts the job, ended when the
+    attempt ends, a child of the span that enqueued the job when its context was stored
+    (:func:`propagate_trace_context`), else a root. Attributes: ``jobq.job_id``, ``jobq.type``,
+    ``jobq.group``, ``jobq.attempt``, ``jobq.worker_id`` and ``jobq.outcome`` (done, failed,
+    retried, cancelled, timeout, released, lease_lost, suspended, snoozed, db_error); a
+    failure sets the span's status to error with its one-line summary.
+
+    Each start reads the job's stored context by primary key (one short read, on ``engine``:
+    a synchronous Engine on the same database, also for an AsyncWorker). The handler runs
+    outside the span's context: spans it makes are not its children.
+
+    Args:
+        engine: the queue's (synchronous) Engine.
+        on_event: another callback to pass every event on to.
+        tracer_provider: the TracerProvider to use (default: OpenTelemetry's global one).
+
+    Raises:
+        ImportError: opentelemetry-api is not installed (``pip install jobq[otel]``).
+    """
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("jobq")
+    w3c = TraceContextTextMapPropagator()
+    spans: dict[tuple[int, int], Any] = {}
+    lock = threading.Lock()
+
+    def hook(ev: Event) -> None:
+        if ev.action == "started":
+            parent = _transaction(engine, lambda conn, d: conn.execute(_q_trace_parent(ev.job_id)).scalar())
+            span = tracer.start_span(f"jobq {ev.type}", context=w3c.extract({"traceparent": parent}) if parent else None,
+                                     kind=trace.SpanKind.CONSUMER, attributes={
+                                         "jobq.job_id": ev.job_id, "jobq.type": ev.type, "jobq.group": ev.group,
+                                         "jobq.attempt": ev.attempt, "jobq.worker_id": ev.worker_id})
+            with lock:
+                spans[(ev.job_id, ev.attempt)] = span
+        elif ev.action in _ENDS and ev.job_id:
+            with lock:
+                span = spans.pop((ev.job_id, ev.attempt), None)
+            if span is not None:
+                span.set_attribute("jobq.outcome", _ENDS[ev.action])
+                if ev.error is not None and ev.action not in ("retried", "cancelled", "released"):
+                    span.set_status(trace.StatusCode.ERROR, ev.error)
+                span.end()
+        if on_event is not None:
+            on_event(ev)
+
+    return hook
 
 
 # ==============================================================================================
