@@ -59,6 +59,27 @@ TEST_DEPS = ["-e", ".[test]"]
 CONFORMANCE = ["tests/core", "tests/dag", "tests/cli", "tests/docs", "tests/fairness/test_integration.py",
                "tests/fairness/test_integration_at_scale.py", "tests/web"]
 
+# Sessions that re-run the conformance suite only to prove another installation of the same code
+# (floors: the lowest versions; tests-mysqlclient: the C driver; tests-nofastpath: every statement
+# through Connection.execute; single: the generated file) leave out what `tests` already runs on
+# every engine and what that installation cannot change:
+# - the documentation's blocks, the scenario scripts and the benchmark's drain: subprocesses
+#   calling the API the suite calls directly (under `single` they even import the checkout's
+#   package, not the single file);
+# - the checks of scale: a thousand-deep nest of containers, a 2,000-job fan-out and fan-in, a
+#   walk beside 20,000 jobs, 5,000 fair-share groups. They prove the work per job stays bounded
+#   (no recursion per level, no read of the whole table), which is the statements' shape, not the
+#   versions, the driver, the execution path or the layout; they were half of the PostgreSQL
+#   tests' time in a run of `tests` (300 s of 613 s on the shared machine).
+# Every other module of tests/core, tests/dag, tests/cli and tests/web runs, so every module of
+# jobq and the dashboard is exercised on each engine the session proves.
+REPEATED = ["tests/docs", "tests/cli/test_scenarios.py", "tests/cli/test_bench.py",
+            "tests/fairness/test_integration_at_scale.py"]
+SCALE_CHECKS = ["tests/dag/test_adversarial_dag.py::test_a_thousand_deep_nest_of_containers_opens_and_rolls_up",
+                "tests/dag/test_dag.py::test_submit_a_large_fan_out_and_fan_in",
+                "tests/dag/test_graph_ops_statements.py::test_the_walk_reads_each_jobs_edges_even_before_job_deps_is_analysed"]
+INSTALLATION_CHECK = [*(f"--ignore={p}" for p in REPEATED), *(f"--deselect={t}" for t in SCALE_CHECKS)]
+
 
 def _env(dialects: str | None = None) -> dict[str, str]:
     # The server URLs pass through from the caller's environment, untouched.
@@ -116,11 +137,11 @@ _engine_sessions("tests", CONFORMANCE, "The conformance suite on {engine} only, 
 
 @nox.session(name="tests-nofastpath", default=False)
 def tests_nofastpath(session: nox.Session) -> None:
-    """The conformance suite on PostgreSQL with JOBQ_FASTPATH=0: every statement through
-    Connection.execute, as on a SQLAlchemy the cursor fast path does not recognise."""
+    """The conformance suite (less INSTALLATION_CHECK's repeats) on PostgreSQL with JOBQ_FASTPATH=0:
+    every statement through Connection.execute, as on a SQLAlchemy the cursor fast path does not recognise."""
     session.install(*TEST_DEPS)
     env = {**_env("postgresql"), "JOBQ_FASTPATH": "0"}
-    session.run("pytest", *CONFORMANCE, *_workers(session), *session.posargs, env=env)
+    session.run("pytest", *CONFORMANCE, *INSTALLATION_CHECK, *_workers(session), *session.posargs, env=env)
 
 
 @nox.session(name="tests-mysqlclient", default=False)
@@ -135,7 +156,8 @@ def tests_mysqlclient(session: nox.Session) -> None:
             session.error(f"{var} names no server: this session runs only against real servers")
         scheme, sep, rest = url.partition("://")
         env[var] = f"{scheme.split('+')[0]}+mysqldb{sep}{rest}"
-    session.run("pytest", "tests/core", "tests/dag", "tests/cli", *_workers(session), *session.posargs, env=env)
+    session.run("pytest", "tests/core", "tests/dag", "tests/cli", *INSTALLATION_CHECK, *_workers(session), *session.posargs,
+                env=env)
 
 
 def _race_sessions() -> None:
@@ -226,7 +248,8 @@ def package(session: nox.Session) -> None:
 
 
 # The conformance suite but its fair-share runs (policy over the same claim statements, about a
-# minute of its five on two loaded cores); with MariaDB, the sync and async drivers' part.
+# minute of its five on two loaded cores) and what INSTALLATION_CHECK leaves to `tests`; with
+# MariaDB, the sync and async drivers' part.
 FLOORS_SUITE = [p for p in CONFORMANCE if not p.startswith("tests/fairness/")]
 FLOORS_MARIADB = ["tests/core/test_async.py", "tests/core/test_lifecycle.py"]
 # The extras whose drivers a user installs with jobq: their floors (and SQLAlchemy's) are what
@@ -265,15 +288,16 @@ print("floors installed:", *sys.argv[1:])
 
 @nox.session(default=False)
 def floors(session: nox.Session) -> None:
-    """The conformance suite on SQLite and PostgreSQL with the lowest versions pyproject declares
-    (SQLAlchemy, psycopg, aiosqlite, ...); PyMySQL and aiomysql on MariaDB when JOBQ_TEST_MARIADB_URL names it."""
+    """The conformance suite (less INSTALLATION_CHECK's repeats) on SQLite and PostgreSQL with the lowest
+    versions pyproject declares (SQLAlchemy, psycopg, aiosqlite, ...); PyMySQL and aiomysql on MariaDB
+    when JOBQ_TEST_MARIADB_URL names it."""
     # Its own virtualenv: the floors pinned exactly, the test tools at their newest.
     pins = _floor_pins()
     session.install("-e", ".[test]", *pins)
     session.run("python", "-c", CHECK_FLOORS, *pins)
     dialects = "sqlite,postgresql"
     env = {"JOBQ_TEST_DIALECTS": dialects, "JOBQ_REQUIRE_DIALECTS": dialects}
-    session.run("pytest", *FLOORS_SUITE, *_workers(session), *session.posargs, env=env)
+    session.run("pytest", *FLOORS_SUITE, *INSTALLATION_CHECK, *_workers(session), *session.posargs, env=env)
     if os.environ.get(URL_VAR["mariadb"]):  # PyMySQL and aiomysql: a small part of the suite
         env = {"JOBQ_TEST_DIALECTS": "mariadb", "JOBQ_REQUIRE_DIALECTS": "mariadb"}
         session.run("pytest", *FLOORS_MARIADB, *session.posargs, env=env)
@@ -285,13 +309,12 @@ def floors(session: nox.Session) -> None:
 @nox.session(default=False)
 def single(session: nox.Session) -> None:
     """The generated single file: in sync with jobq/ (else regenerate it), then the SQLite
-    conformance suite and the vendoring tests run against it instead of the package."""
+    conformance suite (less INSTALLATION_CHECK's repeats) run against it instead of the package."""
     session.run("python", "packaging/single_file.py", "--check")
     session.install(*TEST_DEPS)
-    # The fair-share run at thousands of groups measures the claim's scaling, not the layout: it
-    # runs on the package in `tests`, and here would add minutes to CI for the same code.
-    paths = [p for p in CONFORMANCE if not p.endswith("test_integration_at_scale.py")]
-    session.run("pytest", *paths, *_workers(session), *session.posargs,
+    # The checks of scale measure the claim's cost, not the layout, and the doc blocks and
+    # scenarios import the package: INSTALLATION_CHECK leaves them to `tests`.
+    session.run("pytest", *CONFORMANCE, *INSTALLATION_CHECK, *_workers(session), *session.posargs,
                 env={**_env("sqlite"), "JOBQ_TEST_SINGLE_FILE": "1"})
 
 
