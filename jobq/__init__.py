@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> recurring -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -51,6 +51,7 @@ from .limits import UNLIMITED, GlobalLimit, GroupPolicy, get_group, get_limit, g
 from .metrics import METRICS_BUCKETS, MetricsCollector
 from .outcomes import fail, finalize, heartbeat, reclaim, release
 from .policy import allocate, backoff, fair_share
+from .recurring import ScheduleInfo, pause_schedule, resume_schedule, schedule, schedules, unschedule
 from .schema import ATTEMPT_OUTCOMES, SCHEMA_VERSION, START_LOG_RETENTION, STATES, TERMINAL, Base, Job, JobDep
 from .sql import ready_set
 from .tracing import propagate_trace_context, trace_attempts
@@ -90,6 +91,7 @@ __all__ = [
     "SQLITE_BUSY_TIMEOUT_MS",
     "START_LOG_RETENTION",
     "STATES",
+    "ScheduleInfo",
     "Snooze",
     "TERMINAL",
     "TX_RETRIES",
@@ -117,12 +119,16 @@ __all__ = [
     "groups",
     "heartbeat",
     "main",
+    "pause_schedule",
     "propagate_trace_context",
     "prune",
     "ready_set",
     "reclaim",
     "release",
+    "resume_schedule",
     "retry",
+    "schedule",
+    "schedules",
     "set_group",
     "set_limit",
     "signal",
@@ -130,6 +136,7 @@ __all__ = [
     "submit",
     "tick",
     "trace_attempts",
+    "unschedule",
     "why",
 ]
 
@@ -151,6 +158,7 @@ from . import (
     migrations,
     outcomes,
     policy,
+    recurring,
     schema,
     sql,
     tracing,
@@ -161,7 +169,7 @@ from . import (
 
 #: The modules in import order: each imports only from those before it.
 _MODULES: tuple[types.ModuleType, ...] = (base, engines, schema, sql, fastpath, drivers, migrations, policy, validate,
-                                          claim_sql, limits, claiming, waits, outcomes, jobs, control, metrics, tracing, context, worker, asyncworker,
+                                          claim_sql, limits, claiming, waits, outcomes, jobs, recurring, control, metrics, tracing, context, worker, asyncworker,
                                           cli)
 
 

@@ -26,6 +26,7 @@ from .drivers import _missing_database_file, _prepare
 from .engines import _scheme_hint
 from .jobs import attempts, create_schema, enqueue, get
 from .limits import UNLIMITED, GlobalLimit, GroupPolicy, get_group, get_limit, groups, set_group, set_limit
+from .recurring import ScheduleInfo, pause_schedule, resume_schedule, schedule, schedules, unschedule
 from .schema import _LIVE, SCHEMA_VERSION, STATES, TERMINAL
 from .sql import (
     _q_child_ids,
@@ -102,6 +103,10 @@ def _duration(text: str) -> _dt.timedelta:
 
 def _delay(text: str) -> _dt.timedelta:
     return _dt.timedelta(seconds=_seconds(text, "--delay", unit=False, zero=True))
+
+
+def _every(text: str) -> _dt.timedelta:
+    return _dt.timedelta(seconds=_seconds(text, "--every", unit=False, zero=False))
 
 
 def _interval(text: str) -> float:
@@ -559,6 +564,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("key", metavar="KEY")
     p.add_argument("--payload", default="null", metavar="JSON", help="what ctx.wait_for returns: any JSON value "
                    "(default: null)")
+    _schedule_parsers(add)
     p = add("prune", "delete finished jobs older than a duration, and the signals nobody can still receive")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
@@ -594,6 +600,72 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow retry/cancel/pause with this token (default: $JOBQ_DASHBOARD_TOKEN; none: read-only)")
     p.add_argument("--hide-args", action="store_true", help="never show job arguments")
     return parser
+
+
+def _schedule_parsers(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """``jobq schedule NAME`` (show, make or change, --pause, --resume, --remove) and ``jobq schedules``."""
+    p = add("schedule", "show a recurring job; make or change it (--type with --every or --cron); pause, resume, remove")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--type", help="make or change it: the job type each slot enqueues")
+    timing = p.add_mutually_exclusive_group()
+    timing.add_argument("--every", type=_every, metavar="DURATION", help="one slot per interval (60s, 15m, 1h, 1d)")
+    timing.add_argument("--cron", metavar="EXPR", help="slots of a cron expression in UTC ('0 3 * * *'; needs jobq[cron])")
+    p.add_argument("--args", default="{}", metavar="JSON", help="the jobs' arguments: a JSON object")
+    p.add_argument("--group", default="default", help="fair-share group of its jobs (default: default)")
+    p.add_argument("--priority", type=int, default=0, metavar="N", help="its jobs' priority (default: 0)")
+    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="its jobs' dispatches (default: 3)")
+    p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run")
+    p.add_argument("--unique-key", metavar="KEY", help="skip a slot while an earlier slot's job is unfinished")
+    act = p.add_mutually_exclusive_group()
+    act.add_argument("--pause", dest="action", action="store_const", const="pause", help="enqueue nothing until resumed")
+    act.add_argument("--resume", dest="action", action="store_const", const="resume",
+                     help="continue from the first slot after now (no catch-up of paused slots)")
+    act.add_argument("--remove", dest="action", action="store_const", const="remove", help="delete it (its jobs stay)")
+    add("schedules", "every recurring job: its timing, next and last slot, runs, paused")
+
+
+def _schedule_text(s: ScheduleInfo) -> str:
+    timing = f"cron {s.cron!r} (UTC)" if s.cron is not None else f"every {_span(s.every.total_seconds())}" if s.every else "?"
+    last = f", last slot {_iso(s.last_run_at)} (job {s.last_job_id})" if s.last_run_at else ", never fired"
+    return (f"schedule {s.name}: {s.type} in group {s.group_key}, {timing}, next {_iso(s.next_run_at)}{last}, "
+            f"{s.runs} run(s)" + (", PAUSED" if s.paused else ""))
+
+
+def _schedule_json(s: ScheduleInfo) -> dict[str, Any]:
+    return {**dataclasses.asdict(s), "every": None if s.every is None else s.every.total_seconds()}
+
+
+def _schedule_command(ns: argparse.Namespace, engine: Engine) -> int:
+    if ns.command == "schedules":
+        found = schedules(engine)
+        _print_json([_schedule_json(s) for s in found]) if ns.json else print(
+            "\n".join(map(_schedule_text, found)) or "no schedules")
+        return 0
+    if ns.action is not None and (ns.type or ns.every or ns.cron):
+        raise _CliError("--pause, --resume and --remove take no --type, --every or --cron", _EXIT_USAGE)
+    if ns.action == "remove":
+        gone = unschedule(engine, ns.name)
+        _print_json({"name": ns.name, "removed": gone}) if ns.json else print(
+            f"schedule {ns.name}: removed" if gone else f"schedule {ns.name}: no such schedule")
+        return 0 if gone else _EXIT_NO_SUCH_JOB
+    if ns.action is not None:
+        info = (pause_schedule if ns.action == "pause" else resume_schedule)(engine, ns.name)
+    elif ns.type is not None or ns.every is not None or ns.cron is not None:
+        if ns.type is None:
+            raise _CliError("making or changing a schedule needs --type", _EXIT_USAGE)
+        try:
+            args = json.loads(ns.args)
+        except ValueError as exc:
+            raise _CliError(f"--args is not valid JSON: {_one_line(exc)}", _EXIT_USAGE) from None
+        info = schedule(engine, ns.name, ns.type, every=ns.every, cron=ns.cron, args=args, group_key=ns.group,
+                        priority=ns.priority, max_attempts=ns.max_attempts, timeout=ns.timeout, unique_key=ns.unique_key)
+    else:
+        found = [s for s in schedules(engine) if s.name == ns.name]
+        if not found:
+            raise _CliError(f"no schedule named {ns.name!r}", _EXIT_NO_SUCH_JOB)
+        info = found[0]
+    _print_json(_schedule_json(info)) if ns.json else print(_schedule_text(info))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -809,6 +881,8 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         else:
             limit = set_limit(engine, max_in_flight=ns.max_in_flight, rate_limit=ns.rate)
         _print_json(dataclasses.asdict(limit)) if ns.json else print(_limit_text(limit))
+    elif cmd in ("schedule", "schedules"):
+        return _schedule_command(ns, engine)
     elif cmd == "prune":
         n = prune(engine, ns.older_than, states=tuple(ns.state or ("done",)))
         _print_json({"deleted": n}) if ns.json else print(f"deleted {n} job(s)")

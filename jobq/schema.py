@@ -309,6 +309,39 @@ _waits = sa.Table(
     **_table_options(),
 )
 
+# Recurring jobs (schema 7): one row per schedule, by name (jobq.schedule). A slot is enqueued
+# by the transaction that advances next_run_at fenced on ``revision``, which every change
+# (schedule, pause, resume, a firing) increments: two firings of one slot cannot both commit.
+# every_us: the interval in microseconds (slots are anchor + k * every); cron: a cron
+# expression in UTC (croniter). The job columns are enqueue's keywords, checked as enqueue's.
+_schedules = sa.Table(
+    "jobq_schedules",
+    Base.metadata,
+    sa.Column("name", _NAME, primary_key=True),
+    sa.Column("type", _NAME, nullable=False),
+    sa.Column("args", _JSONCOL, nullable=False),
+    sa.Column("every_us", sa.BigInteger, nullable=True),
+    sa.Column("cron", sa.String(200), nullable=True),
+    sa.Column("anchor", _TS, nullable=False),
+    sa.Column("group_key", _NAME, nullable=False),
+    sa.Column("weight", sa.Integer, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("timeout", sa.Float, nullable=True),
+    sa.Column("unique_key", _NAME, nullable=True),
+    sa.Column("paused", sa.Boolean, nullable=False),
+    sa.Column("next_run_at", _TS, nullable=False),
+    sa.Column("last_slot", _TS, nullable=True),
+    sa.Column("last_job_id", _ID, nullable=True),
+    sa.Column("runs", sa.BigInteger, nullable=False),
+    sa.Column("revision", sa.BigInteger, nullable=False),
+    sa.Column("created_at", _TS, nullable=False),
+    sa.Column("updated_at", _TS, nullable=False),
+    # The workers' due check (_q_due_schedules): an empty range when nothing is due.
+    sa.Index("ix_jobq_schedules_due", "paused", "next_run_at"),
+    **_table_options(),
+)
+
 #: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes
 #: it due. stats() leaves it out of ``next_scheduled``.
 _NEVER = _dt.datetime(9999, 12, 30)

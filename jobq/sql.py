@@ -30,6 +30,7 @@ from .schema import (
     _groups,
     _jobs,
     _meta,
+    _schedules,
     _signals,
     _slots,
     _starts,
@@ -1291,3 +1292,52 @@ def _q_metrics_starts(after: int, limit: int) -> sa.Select[Any]:
 def _q_trace_parent(job_id: int) -> sa.Select[Any]:
     """A job's stored trace context (tracing: one primary-key read per started attempt)."""
     return sa.select(_c.trace_parent).where(_c.id == job_id)
+
+
+# ---- recurring jobs (schedules.py) ------------------------------------------------------------
+_sch = _schedules.c
+_Q_ALL_SCHEDULES = sa.select(_schedules).order_by(_sch.name)
+_Q_INSERT_SCHEDULE = sa.insert(_schedules)
+_Q_DELETE_SCHEDULE = sa.delete(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+
+
+def _q_schedule(d: _Dialect) -> sa.Select[Any]:
+    """One schedule by name, locked for the change that follows (schedule, pause, resume)."""
+    return d.lock_wait(sa.select(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME)))
+
+
+_Q_SCHEDULE_ROW = sa.select(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+
+#: A change of a schedule by name: every column but the name, the counters and created_at,
+#: and a new revision (fencing out a firing that read the old one).
+_Q_UPDATE_SCHEDULE = (
+    sa.update(_schedules)
+    .where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+    .values({c: sa.bindparam(c) for c in ("type", "args", "every_us", "cron", "anchor", "group_key", "weight",
+                                          "priority", "max_attempts", "timeout", "unique_key", "paused",
+                                          "next_run_at", "updated_at")}
+            | {"revision": _sch.revision + 1})
+)
+
+
+def _q_due_schedules(now: _dt.datetime, limit: int) -> sa.Select[Any]:
+    """The workers' due check: active schedules whose next slot has come, from the due index
+    (an empty range when nothing is due)."""
+    return (sa.select(_sch.name).where(_sch.paused == sa.false(), _sch.next_run_at <= now)
+            .order_by(_sch.next_run_at).limit(limit))
+
+
+#: A firing: the schedule moves to its next slot only if nobody changed or fired it since it
+#: was read (the revision fence; keep in sync with the race test's unfenced variant). The
+#: enqueue of the slot is in the same transaction, so a slot is enqueued iff this updates a row.
+_Q_ADVANCE_SCHEDULE = (
+    sa.update(_schedules)
+    .where(_sch.name == sa.bindparam("b_name", type_=_NAME), _sch.revision == sa.bindparam("b_revision"),
+           _sch.paused == sa.false())
+    .values(next_run_at=sa.bindparam("b_next", type_=_TS), last_slot=sa.bindparam("b_slot", type_=_TS),
+            runs=_sch.runs + 1, revision=_sch.revision + 1, updated_at=sa.bindparam("b_now", type_=_TS))
+)
+_Q_SCHEDULE_LAST_JOB = (
+    sa.update(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+    .values(last_job_id=sa.bindparam("b_job"))
+)

@@ -47,6 +47,7 @@ from .drivers import _T, _Dialect, _listen_supported, _listener_connection, _pre
 from .jobs import _DEFAULT_ATTEMPTS, _Hold, _Plan, _spawn
 from .outcomes import _ERROR_LIMIT, _SWEEP_LIMIT, _SWEEP_SECONDS, _apply_outcomes, _heartbeat_rows, _reclaim_rows
 from .policy import backoff
+from .recurring import _SCHEDULE_POLL, _fire_due
 from .sql import (
     _Q_FREE_SLOT,
     _Outcome,
@@ -102,6 +103,7 @@ class _WorkerCore:
         # Reclaim runs on a cadence, not on every tick: an expired lease waits at most this long
         # (plus a tick) for a live worker's sweep, and a busy worker saves a statement per tick.
         self._sweep_every: float = min(self.options.lease_ttl / 4, _SWEEP_SECONDS)
+        self._last_schedules = -math.inf  # the first tick checks for due schedules
 
     # The other options, read-only as attributes too: worker.lease_ttl is worker.options.lease_ttl.
     max_concurrency: int
@@ -200,6 +202,7 @@ class _WorkerCore:
 
     def _tick(self) -> int:
         self._revive_takers()
+        self._fire_schedules()
         self._write_suspects()
         batch = self._take_finished()
         with self._lock:
@@ -234,6 +237,18 @@ class _WorkerCore:
             _checkpoint("claimed", [lease.id for lease in leases])
             self._dispatch(leases)
         return len(leases)
+
+    def _fire_schedules(self) -> None:
+        """Enqueue the slots of due schedules, at most every _SCHEDULE_POLL seconds: one indexed
+        read when nothing is due, in its own transaction, never inside the claim's."""
+        began = time.monotonic()
+        if began - self._last_schedules < _SCHEDULE_POLL or self._stopping.is_set():
+            return
+        self._last_schedules = began
+        try:
+            _fire_due(self.engine)
+        except _DB_FAULTS as exc:
+            self._db_error(exc, note="schedules: ")
 
     def _claim(self, conn: Connection, d: _Dialect, now: _dt.datetime, *,
                limit: int, sweep: bool = True) -> tuple[list[Any], list[Lease], list[_Running]]:

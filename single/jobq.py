@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> recurring -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -87,6 +87,7 @@ __all__ = [
     "SQLITE_BUSY_TIMEOUT_MS",
     "START_LOG_RETENTION",
     "STATES",
+    "ScheduleInfo",
     "Snooze",
     "TERMINAL",
     "TX_RETRIES",
@@ -114,12 +115,16 @@ __all__ = [
     "groups",
     "heartbeat",
     "main",
+    "pause_schedule",
     "propagate_trace_context",
     "prune",
     "ready_set",
     "reclaim",
     "release",
+    "resume_schedule",
     "retry",
+    "schedule",
+    "schedules",
     "set_group",
     "set_limit",
     "signal",
@@ -127,6 +132,7 @@ __all__ = [
     "submit",
     "tick",
     "trace_attempts",
+    "unschedule",
     "why",
 ]
 
@@ -1064,6 +1070,39 @@ _waits = sa.Table(
     sa.Column("resolved", sa.String(16), nullable=True),
     sa.Column("n", sa.Integer, nullable=False, server_default="0"),
     sa.Index("ix_jobq_waits_key", "kind", "name", "waiting"),
+    **_table_options(),
+)
+
+# Recurring jobs (schema 7): one row per schedule, by name (jobq.schedule). A slot is enqueued
+# by the transaction that advances next_run_at fenced on ``revision``, which every change
+# (schedule, pause, resume, a firing) increments: two firings of one slot cannot both commit.
+# every_us: the interval in microseconds (slots are anchor + k * every); cron: a cron
+# expression in UTC (croniter). The job columns are enqueue's keywords, checked as enqueue's.
+_schedules = sa.Table(
+    "jobq_schedules",
+    Base.metadata,
+    sa.Column("name", _NAME, primary_key=True),
+    sa.Column("type", _NAME, nullable=False),
+    sa.Column("args", _JSONCOL, nullable=False),
+    sa.Column("every_us", sa.BigInteger, nullable=True),
+    sa.Column("cron", sa.String(200), nullable=True),
+    sa.Column("anchor", _TS, nullable=False),
+    sa.Column("group_key", _NAME, nullable=False),
+    sa.Column("weight", sa.Integer, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("timeout", sa.Float, nullable=True),
+    sa.Column("unique_key", _NAME, nullable=True),
+    sa.Column("paused", sa.Boolean, nullable=False),
+    sa.Column("next_run_at", _TS, nullable=False),
+    sa.Column("last_slot", _TS, nullable=True),
+    sa.Column("last_job_id", _ID, nullable=True),
+    sa.Column("runs", sa.BigInteger, nullable=False),
+    sa.Column("revision", sa.BigInteger, nullable=False),
+    sa.Column("created_at", _TS, nullable=False),
+    sa.Column("updated_at", _TS, nullable=False),
+    # The workers' due check (_q_due_schedules): an empty range when nothing is due.
+    sa.Index("ix_jobq_schedules_due", "paused", "next_run_at"),
     **_table_options(),
 )
 
@@ -2370,6 +2409,55 @@ def _q_trace_parent(job_id: int) -> sa.Select[Any]:
     return sa.select(_c.trace_parent).where(_c.id == job_id)
 
 
+# ---- recurring jobs (schedules.py) ------------------------------------------------------------
+_sch = _schedules.c
+_Q_ALL_SCHEDULES = sa.select(_schedules).order_by(_sch.name)
+_Q_INSERT_SCHEDULE = sa.insert(_schedules)
+_Q_DELETE_SCHEDULE = sa.delete(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+
+
+def _q_schedule(d: _Dialect) -> sa.Select[Any]:
+    """One schedule by name, locked for the change that follows (schedule, pause, resume)."""
+    return d.lock_wait(sa.select(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME)))
+
+
+_Q_SCHEDULE_ROW = sa.select(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+
+#: A change of a schedule by name: every column but the name, the counters and created_at,
+#: and a new revision (fencing out a firing that read the old one).
+_Q_UPDATE_SCHEDULE = (
+    sa.update(_schedules)
+    .where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+    .values({c: sa.bindparam(c) for c in ("type", "args", "every_us", "cron", "anchor", "group_key", "weight",
+                                          "priority", "max_attempts", "timeout", "unique_key", "paused",
+                                          "next_run_at", "updated_at")}
+            | {"revision": _sch.revision + 1})
+)
+
+
+def _q_due_schedules(now: _dt.datetime, limit: int) -> sa.Select[Any]:
+    """The workers' due check: active schedules whose next slot has come, from the due index
+    (an empty range when nothing is due)."""
+    return (sa.select(_sch.name).where(_sch.paused == sa.false(), _sch.next_run_at <= now)
+            .order_by(_sch.next_run_at).limit(limit))
+
+
+#: A firing: the schedule moves to its next slot only if nobody changed or fired it since it
+#: was read (the revision fence; keep in sync with the race test's unfenced variant). The
+#: enqueue of the slot is in the same transaction, so a slot is enqueued iff this updates a row.
+_Q_ADVANCE_SCHEDULE = (
+    sa.update(_schedules)
+    .where(_sch.name == sa.bindparam("b_name", type_=_NAME), _sch.revision == sa.bindparam("b_revision"),
+           _sch.paused == sa.false())
+    .values(next_run_at=sa.bindparam("b_next", type_=_TS), last_slot=sa.bindparam("b_slot", type_=_TS),
+            runs=_sch.runs + 1, revision=_sch.revision + 1, updated_at=sa.bindparam("b_now", type_=_TS))
+)
+_Q_SCHEDULE_LAST_JOB = (
+    sa.update(_schedules).where(_sch.name == sa.bindparam("b_name", type_=_NAME))
+    .values(last_job_id=sa.bindparam("b_job"))
+)
+
+
 # ==============================================================================================
 # jobq/fastpath.py
 # ==============================================================================================
@@ -3492,7 +3580,8 @@ def _step_6(conn: Connection, d: _Dialect) -> None:
 
 def _step_7(conn: Connection, d: _Dialect) -> None:
     """6 -> 7: jobs.trace_parent, the enqueuing span's trace context (nullable, no default: an
-    instant change of the table's definition on every engine, no rewrite)."""
+    instant change of the table's definition on every engine, no rewrite); recurring jobs
+    (jobq_schedules), a new table made by create_all before any step."""
     if "trace_parent" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
         conn.execute(_DDL_TRACE_PARENT)
 
@@ -3617,7 +3706,7 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
     (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
-    (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context)"),
+    (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context); jobq_schedules (recurring jobs)"),
 )
 
 
@@ -6974,6 +7063,346 @@ def attempts(engine: Engine | Connection | orm.Session, job_id: int) -> list[Att
 
 
 # ==============================================================================================
+# jobq/recurring.py
+# ==============================================================================================
+# Recurring jobs: schedules stored in the database (schedule, schedules, pause_schedule,
+# resume_schedule, unschedule), and the firing the workers run on a cadence (_fire_due).
+
+#: How often a worker asks whether a schedule is due (seconds): a slot is enqueued at most
+#: about this long (plus one poll interval of an idle worker) after its time.
+_SCHEDULE_POLL = 1.0
+#: Most schedules one due check fires; more wait for the next check.
+_FIRE_LIMIT = 100
+_MICRO = _dt.timedelta(microseconds=1)
+#: The longest interval accepted for ``every`` (and the shortest: a second).
+_MAX_EVERY = _dt.timedelta(days=366)
+_MIN_EVERY = _dt.timedelta(seconds=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleInfo:
+    """A stored schedule (:func:`schedule`, :func:`schedules`). Times are aware UTC datetimes.
+
+    Attributes:
+        name: the schedule's name (its key).
+        type, args, group_key, weight, priority, max_attempts, timeout, unique_key: the job each
+            slot enqueues, as :func:`enqueue` takes them.
+        every: the interval, or None for a cron schedule.
+        cron: the cron expression (evaluated in UTC), or None for an interval schedule.
+        start: an interval schedule's anchor: its slots are ``start + k * every``.
+        paused: paused schedules enqueue nothing.
+        next_run_at: the next slot.
+        last_run_at: the slot last enqueued (None: never fired).
+        last_job_id: the job that slot enqueued (or the unfinished job that held its
+            ``unique_key``).
+        runs: how many slots were enqueued (a catch-up after downtime counts once).
+        created_at, updated_at: when it was made and last changed or fired.
+    """
+
+    name: str
+    type: str
+    args: dict[str, Any]
+    every: _dt.timedelta | None
+    cron: str | None
+    start: _dt.datetime
+    group_key: str
+    weight: int
+    priority: int
+    max_attempts: int
+    timeout: float | None
+    unique_key: str | None
+    paused: bool
+    next_run_at: _dt.datetime
+    last_run_at: _dt.datetime | None
+    last_job_id: int | None
+    runs: int
+    created_at: _dt.datetime
+    updated_at: _dt.datetime
+
+
+def _aware(value: _dt.datetime | None) -> _dt.datetime | None:
+    return None if value is None else value.replace(tzinfo=_dt.UTC)
+
+
+def _info(row: Any) -> ScheduleInfo:
+    return ScheduleInfo(
+        name=row.name, type=row.type, args=row.args,
+        every=None if row.every_us is None else _dt.timedelta(microseconds=row.every_us), cron=row.cron,
+        start=row.anchor.replace(tzinfo=_dt.UTC), group_key=row.group_key, weight=row.weight, priority=row.priority,
+        max_attempts=row.max_attempts, timeout=row.timeout, unique_key=row.unique_key, paused=bool(row.paused),
+        next_run_at=row.next_run_at.replace(tzinfo=_dt.UTC), last_run_at=_aware(row.last_slot),
+        last_job_id=row.last_job_id, runs=row.runs, created_at=row.created_at.replace(tzinfo=_dt.UTC),
+        updated_at=row.updated_at.replace(tzinfo=_dt.UTC),
+    )
+
+
+def _croniter(expr: str, base: _dt.datetime) -> Any:
+    """croniter over ``expr`` from ``base`` (naive UTC). Imported here, on a cron schedule's
+    first use: the core needs only SQLAlchemy (the ``jobq[cron]`` extra installs croniter)."""
+    try:
+        from croniter import croniter  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        raise InvalidJob("cron schedules need croniter: pip install 'jobq[cron]'") from None
+    try:
+        return croniter(expr, base.replace(tzinfo=_dt.UTC))
+    except (ValueError, KeyError) as exc:  # CroniterError is a ValueError
+        raise InvalidJob(f"cron: {expr!r} is not a cron expression ({exc})") from None
+
+
+def _cron_next(expr: str, after: _dt.datetime) -> _dt.datetime:
+    """The first slot of ``expr`` strictly after ``after`` (naive UTC in, naive UTC out)."""
+    nxt = _croniter(expr, after).get_next(_dt.datetime)
+    return nxt.astimezone(_dt.UTC).replace(tzinfo=None)  # type: ignore[no-any-return]
+
+
+def _cron_prev(expr: str, before: _dt.datetime) -> _dt.datetime:
+    """The last slot of ``expr`` strictly before ``before``."""
+    prev = _croniter(expr, before).get_prev(_dt.datetime)
+    return prev.astimezone(_dt.UTC).replace(tzinfo=None)  # type: ignore[no-any-return]
+
+
+def _catch_up(row: Any, now: _dt.datetime) -> tuple[_dt.datetime, _dt.datetime]:
+    """(the latest slot at or before ``now``, the first slot after it) of a stored schedule: the
+    catch-up rule. Every slot missed since ``next_run_at`` is covered by the one latest slot."""
+    if row.every_us is not None:
+        every = _dt.timedelta(microseconds=row.every_us)
+        k = (now - row.anchor) // every
+        last = row.anchor + k * every
+        return last, last + every
+    nxt = _cron_next(row.cron, now)
+    return _cron_prev(row.cron, nxt), nxt
+
+
+def _first_slot(every_us: int | None, cron: str | None, anchor: _dt.datetime, now: _dt.datetime) -> _dt.datetime:
+    """The first slot strictly after ``now``."""
+    if every_us is None:
+        assert cron is not None
+        return _cron_next(cron, now)
+    every = _dt.timedelta(microseconds=every_us)
+    if anchor > now:
+        return anchor
+    return anchor + ((now - anchor) // every + 1) * every
+
+
+def _check_timing(every: Any, cron: Any, start: Any) -> tuple[int | None, str | None, _dt.datetime | None]:
+    if (every is None) == (cron is None):
+        raise InvalidJob("schedule: give exactly one of every (a timedelta) and cron (a cron expression)")
+    if cron is not None:
+        if not isinstance(cron, str) or not cron.strip() or len(cron) > 200:
+            raise InvalidJob(f"cron must be a cron expression (a non-empty string of at most 200 characters), got {cron!r}")
+        if start is not None:
+            raise InvalidJob("start is for every= schedules; a cron expression fixes its own slots")
+        _croniter(cron, _dt.datetime(2000, 1, 1))  # refuses a bad expression now, not at its first slot
+        return None, cron.strip(), None
+    if isinstance(every, bool) or not isinstance(every, _dt.timedelta):
+        raise InvalidJob(f"every must be a datetime.timedelta, got {type(every).__name__} {every!r}")
+    if not _MIN_EVERY <= every <= _MAX_EVERY:
+        raise InvalidJob(f"every must be between {_MIN_EVERY} and {_MAX_EVERY.days} days, got {every}")
+    return every // _MICRO, None, None if start is None else _to_db_time(start, "start")
+
+
+def schedule(
+    target: Engine | Connection | orm.Session,
+    name: str,
+    type: str,
+    *,
+    every: _dt.timedelta | None = None,
+    cron: str | None = None,
+    start: _dt.datetime | None = None,
+    args: Mapping[str, Any] | None = None,
+    group_key: str = "default",
+    weight: int = 1,
+    max_attempts: int = 3,
+    timeout: float | None = None,
+    priority: int = 0,
+    unique_key: str | None = None,
+) -> ScheduleInfo:
+    """Store a recurring job: the workers enqueue one job of ``type`` per slot, each slot once
+    across every worker, host and process sharing the database.
+
+    Calling it again with the same ``name`` changes the schedule (a paused one stays paused).
+    When ``every``, ``cron`` or ``start`` changed, the next slot is computed afresh from now;
+    otherwise the next slot is kept and the new job fields apply from it on.
+
+    Catch-up: a slot is fired by the first worker that sees it due (within about a second). If
+    no worker ran across several slots, the first check after they are back enqueues ONE job,
+    for the latest missed slot (the job's ``run_after`` is that slot), and the schedule moves
+    to the first slot after now: missed slots are never enqueued one by one.
+
+    Args:
+        target: an Engine (jobq commits its own transaction) or a Connection/Session (written
+            in the caller's transaction, in effect once the caller commits).
+        name: the schedule's name, its key (1-200 characters).
+        type: the job type each slot enqueues.
+        every: a timedelta between 1 second and 366 days: slots are ``start + k * every``.
+        cron: a cron expression (5 fields, or 6 with seconds), evaluated in UTC, so no slot is
+            skipped or doubled by daylight saving time. Needs the ``jobq[cron]`` extra
+            (croniter). Exactly one of ``every`` and ``cron`` must be given.
+        start: ``every`` only: an aware datetime anchoring the slots (default: now). The first
+            run is the first slot after now (by default one interval from now).
+        args, group_key, weight, max_attempts, timeout, priority, unique_key: the job each slot
+            enqueues, checked as :func:`enqueue` checks them. With ``unique_key``, a slot whose
+            key an unfinished job of an earlier slot still holds enqueues nothing (the slot
+            counts as fired): runs never overlap.
+
+    Returns:
+        The schedule as stored.
+
+    Raises:
+        InvalidJob: bad input, such as both or neither of ``every`` and ``cron``, an interval
+            out of range, a bad cron expression, croniter missing, or a bad job field.
+            Nothing is written.
+    """
+    key = _check_name(name, "name")
+    every_us, cron_expr, anchor = _check_timing(every, cron, start)
+    spec = _make_spec({"type": type, "args": args, "group_key": group_key, "weight": weight,
+                       "max_attempts": max_attempts, "timeout": timeout, "priority": priority,
+                       "unique_key": unique_key})
+    job = {"type": spec.type, "args": spec.args, "group_key": spec.group_key, "weight": spec.weight,
+           "priority": spec.priority, "max_attempts": spec.max_attempts, "timeout": spec.timeout,
+           "unique_key": spec.unique_key}
+
+    def run(conn: Connection, d: _Dialect) -> ScheduleInfo:
+        now = d.db_now(conn)
+        old = conn.execute(_q_schedule(d), {"b_name": key}).first()
+        kept = old is not None and (old.every_us, old.cron) == (every_us, cron_expr)
+        base = anchor if anchor is not None else old.anchor if old is not None and kept else now
+        same = kept and old is not None and old.anchor == base
+        nxt = old.next_run_at if old is not None and same else _first_slot(every_us, cron_expr, base, now)
+        values = {**job, "every_us": every_us, "cron": cron_expr, "anchor": base, "updated_at": now, "next_run_at": nxt}
+        if old is None:
+            conn.execute(_Q_INSERT_SCHEDULE, {**values, "name": key, "paused": False, "runs": 0, "revision": 0,
+                                              "created_at": now})
+        else:
+            conn.execute(_Q_UPDATE_SCHEDULE, {**values, "b_name": key, "paused": old.paused})
+        return _info(conn.execute(_Q_SCHEDULE_ROW, {"b_name": key}).one())
+
+    return _write(target, run)
+
+
+def _write(target: Engine | Connection | orm.Session, run: Any) -> Any:
+    if isinstance(target, Engine):
+        return _transaction(target, run)
+    return run(_target_connection(target), _prepare(_engine_of(target)))  # type: ignore[arg-type]
+
+
+def schedules(target: Engine | Connection | orm.Session) -> list[ScheduleInfo]:
+    """Every stored schedule, by name.
+
+    Args:
+        target: an Engine, or a Connection/Session to read in the caller's transaction.
+    """
+    return [_info(r) for r in _read(target, lambda conn: conn.execute(_Q_ALL_SCHEDULES).all())]
+
+
+def _set_paused(target: Engine | Connection | orm.Session, name: str, paused: bool) -> ScheduleInfo:
+    key = _check_name(name, "name")
+
+    def run(conn: Connection, d: _Dialect) -> ScheduleInfo:
+        old = conn.execute(_q_schedule(d), {"b_name": key}).first()
+        if old is None:
+            raise InvalidJob(f"no schedule named {key!r}")
+        now = d.db_now(conn)
+        values = {c: getattr(old, c) for c in ("type", "args", "every_us", "cron", "anchor", "group_key", "weight",
+                                                "priority", "max_attempts", "timeout", "unique_key", "next_run_at")}
+        if old.paused and not paused:  # slots that fell while paused are skipped, not caught up
+            values["next_run_at"] = _first_slot(old.every_us, old.cron, old.anchor, now)
+        conn.execute(_Q_UPDATE_SCHEDULE, {**values, "b_name": key, "paused": paused, "updated_at": now})
+        return _info(conn.execute(_Q_SCHEDULE_ROW, {"b_name": key}).one())
+
+    return _write(target, run)  # type: ignore[no-any-return]
+
+
+def pause_schedule(target: Engine | Connection | orm.Session, name: str) -> ScheduleInfo:
+    """Pause a schedule: it enqueues nothing until :func:`resume_schedule`. Jobs it enqueued
+    already are not touched.
+
+    Args:
+        target: an Engine, or a Connection/Session (written in the caller's transaction).
+        name: the schedule.
+
+    Raises:
+        InvalidJob: no schedule has this name.
+    """
+    return _set_paused(target, name, True)
+
+
+def resume_schedule(target: Engine | Connection | orm.Session, name: str) -> ScheduleInfo:
+    """Resume a paused schedule from the first slot after now: the slots that fell while it was
+    paused are skipped, not caught up. Resuming an active schedule changes nothing but its
+    revision.
+
+    Args:
+        target: an Engine, or a Connection/Session (written in the caller's transaction).
+        name: the schedule.
+
+    Raises:
+        InvalidJob: no schedule has this name.
+    """
+    return _set_paused(target, name, False)
+
+
+def unschedule(target: Engine | Connection | orm.Session, name: str) -> bool:
+    """Remove a schedule: no slot is enqueued by it after this commits (a firing that read it
+    before finds it gone and enqueues nothing). Jobs it enqueued already are not touched.
+
+    Args:
+        target: an Engine, or a Connection/Session (written in the caller's transaction).
+        name: the schedule.
+
+    Returns:
+        True if it existed.
+    """
+    key = _check_name(name, "name")
+    return _write(target, lambda conn, d: conn.execute(_Q_DELETE_SCHEDULE, {"b_name": key}).rowcount > 0)  # type: ignore[no-any-return]
+
+
+def _fire_due(engine: Engine, now: _dt.datetime | None = None) -> list[int]:
+    """Enqueue the due slots of every active schedule (the workers call this every
+    _SCHEDULE_POLL seconds): one indexed read, then per due schedule one transaction that moves
+    it to its next slot, fenced on the revision it read, and enqueues the slot's job. A worker
+    that lost the race (another fired it, or it was changed meanwhile) updates nothing and
+    enqueues nothing. ``now`` (naive UTC) replaces the database's clock (tests). Returns the
+    ids of the jobs enqueued."""
+    d = _prepare(engine)
+    with engine.connect() as conn:
+        names = list(conn.execute(_q_due_schedules(now or d.db_now(conn), _FIRE_LIMIT)).scalars())
+        conn.rollback()
+    fired: list[int] = []
+    for name in names:
+        try:
+            job = _transaction(engine, functools.partial(_fire_one, name=name, now=now))
+        except (_KeyTaken, JobqError) as exc:  # a unique key taken meanwhile, or held: the next check retries
+            logger.info("jobq: schedule %r not fired this time: %s", name, exc, extra={"action": "schedule_skipped"})
+            continue
+        if job is not None:
+            fired.append(job)
+    return fired
+
+
+def _fire_one(conn: Connection, d: _Dialect, *, name: str, now: _dt.datetime | None) -> int | None:
+    row = conn.execute(_Q_SCHEDULE_ROW, {"b_name": name}).first()
+    at = now or d.db_now(conn)
+    _checkpoint("schedule_read", [])
+    if row is None or row.paused or row.next_run_at > at:
+        return None  # removed, paused or fired since the due check
+    slot, nxt = _catch_up(row, at)
+    won = conn.execute(_Q_ADVANCE_SCHEDULE, {"b_name": name, "b_revision": row.revision, "b_next": nxt,
+                                             "b_slot": slot, "b_now": at}).rowcount
+    if won != 1:
+        return None  # another worker fired this slot, or the schedule changed since the read
+    fields = {"type": row.type, "args": row.args, "group_key": row.group_key, "weight": row.weight,
+              "priority": row.priority, "max_attempts": row.max_attempts, "timeout": row.timeout,
+              "unique_key": row.unique_key, "run_after": slot.replace(tzinfo=_dt.UTC)}
+    plan = _link({_ONE: _make_spec(fields)}, True)
+    job = _insert_graph(conn, d, plan, at)[_ONE]  # a _KeyTaken or UniqueKeyHeld undoes the advance too
+    conn.execute(_Q_SCHEDULE_LAST_JOB, {"b_name": name, "b_job": job})
+    logger.info("jobq: schedule %r enqueued job %d for its slot %s", name, job, slot.isoformat(),
+                extra={"action": "scheduled", "job_id": job, "type": row.type, "group": row.group_key})
+    return job
+
+
+# ==============================================================================================
 # jobq/control.py
 # ==============================================================================================
 # Operating on jobs and the queue: cancel and retry (of a job or a whole graph), prune, why,
@@ -8709,6 +9138,7 @@ class _WorkerCore:
         # Reclaim runs on a cadence, not on every tick: an expired lease waits at most this long
         # (plus a tick) for a live worker's sweep, and a busy worker saves a statement per tick.
         self._sweep_every: float = min(self.options.lease_ttl / 4, _SWEEP_SECONDS)
+        self._last_schedules = -math.inf  # the first tick checks for due schedules
 
     # The other options, read-only as attributes too: worker.lease_ttl is worker.options.lease_ttl.
     max_concurrency: int
@@ -8807,6 +9237,7 @@ class _WorkerCore:
 
     def _tick(self) -> int:
         self._revive_takers()
+        self._fire_schedules()
         self._write_suspects()
         batch = self._take_finished()
         with self._lock:
@@ -8841,6 +9272,18 @@ class _WorkerCore:
             _checkpoint("claimed", [lease.id for lease in leases])
             self._dispatch(leases)
         return len(leases)
+
+    def _fire_schedules(self) -> None:
+        """Enqueue the slots of due schedules, at most every _SCHEDULE_POLL seconds: one indexed
+        read when nothing is due, in its own transaction, never inside the claim's."""
+        began = time.monotonic()
+        if began - self._last_schedules < _SCHEDULE_POLL or self._stopping.is_set():
+            return
+        self._last_schedules = began
+        try:
+            _fire_due(self.engine)
+        except _DB_FAULTS as exc:
+            self._db_error(exc, note="schedules: ")
 
     def _claim(self, conn: Connection, d: _Dialect, now: _dt.datetime, *,
                limit: int, sweep: bool = True) -> tuple[list[Any], list[Lease], list[_Running]]:
@@ -10203,6 +10646,10 @@ def _delay(text: str) -> _dt.timedelta:
     return _dt.timedelta(seconds=_seconds(text, "--delay", unit=False, zero=True))
 
 
+def _every(text: str) -> _dt.timedelta:
+    return _dt.timedelta(seconds=_seconds(text, "--every", unit=False, zero=False))
+
+
 def _interval(text: str) -> float:
     return _seconds(text, "an interval", unit=False, zero=False)
 
@@ -10658,6 +11105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("key", metavar="KEY")
     p.add_argument("--payload", default="null", metavar="JSON", help="what ctx.wait_for returns: any JSON value "
                    "(default: null)")
+    _schedule_parsers(add)
     p = add("prune", "delete finished jobs older than a duration, and the signals nobody can still receive")
     p.add_argument("--older-than", type=_duration, required=True, metavar="DURATION", help="e.g. 7d")
     p.add_argument("--state", action="append", choices=TERMINAL, help="default: done (repeatable)")
@@ -10693,6 +11141,72 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow retry/cancel/pause with this token (default: $JOBQ_DASHBOARD_TOKEN; none: read-only)")
     p.add_argument("--hide-args", action="store_true", help="never show job arguments")
     return parser
+
+
+def _schedule_parsers(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """``jobq schedule NAME`` (show, make or change, --pause, --resume, --remove) and ``jobq schedules``."""
+    p = add("schedule", "show a recurring job; make or change it (--type with --every or --cron); pause, resume, remove")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--type", help="make or change it: the job type each slot enqueues")
+    timing = p.add_mutually_exclusive_group()
+    timing.add_argument("--every", type=_every, metavar="DURATION", help="one slot per interval (60s, 15m, 1h, 1d)")
+    timing.add_argument("--cron", metavar="EXPR", help="slots of a cron expression in UTC ('0 3 * * *'; needs jobq[cron])")
+    p.add_argument("--args", default="{}", metavar="JSON", help="the jobs' arguments: a JSON object")
+    p.add_argument("--group", default="default", help="fair-share group of its jobs (default: default)")
+    p.add_argument("--priority", type=int, default=0, metavar="N", help="its jobs' priority (default: 0)")
+    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="its jobs' dispatches (default: 3)")
+    p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run")
+    p.add_argument("--unique-key", metavar="KEY", help="skip a slot while an earlier slot's job is unfinished")
+    act = p.add_mutually_exclusive_group()
+    act.add_argument("--pause", dest="action", action="store_const", const="pause", help="enqueue nothing until resumed")
+    act.add_argument("--resume", dest="action", action="store_const", const="resume",
+                     help="continue from the first slot after now (no catch-up of paused slots)")
+    act.add_argument("--remove", dest="action", action="store_const", const="remove", help="delete it (its jobs stay)")
+    add("schedules", "every recurring job: its timing, next and last slot, runs, paused")
+
+
+def _schedule_text(s: ScheduleInfo) -> str:
+    timing = f"cron {s.cron!r} (UTC)" if s.cron is not None else f"every {_span(s.every.total_seconds())}" if s.every else "?"
+    last = f", last slot {_iso(s.last_run_at)} (job {s.last_job_id})" if s.last_run_at else ", never fired"
+    return (f"schedule {s.name}: {s.type} in group {s.group_key}, {timing}, next {_iso(s.next_run_at)}{last}, "
+            f"{s.runs} run(s)" + (", PAUSED" if s.paused else ""))
+
+
+def _schedule_json(s: ScheduleInfo) -> dict[str, Any]:
+    return {**dataclasses.asdict(s), "every": None if s.every is None else s.every.total_seconds()}
+
+
+def _schedule_command(ns: argparse.Namespace, engine: Engine) -> int:
+    if ns.command == "schedules":
+        found = schedules(engine)
+        _print_json([_schedule_json(s) for s in found]) if ns.json else print(
+            "\n".join(map(_schedule_text, found)) or "no schedules")
+        return 0
+    if ns.action is not None and (ns.type or ns.every or ns.cron):
+        raise _CliError("--pause, --resume and --remove take no --type, --every or --cron", _EXIT_USAGE)
+    if ns.action == "remove":
+        gone = unschedule(engine, ns.name)
+        _print_json({"name": ns.name, "removed": gone}) if ns.json else print(
+            f"schedule {ns.name}: removed" if gone else f"schedule {ns.name}: no such schedule")
+        return 0 if gone else _EXIT_NO_SUCH_JOB
+    if ns.action is not None:
+        info = (pause_schedule if ns.action == "pause" else resume_schedule)(engine, ns.name)
+    elif ns.type is not None or ns.every is not None or ns.cron is not None:
+        if ns.type is None:
+            raise _CliError("making or changing a schedule needs --type", _EXIT_USAGE)
+        try:
+            args = json.loads(ns.args)
+        except ValueError as exc:
+            raise _CliError(f"--args is not valid JSON: {_one_line(exc)}", _EXIT_USAGE) from None
+        info = schedule(engine, ns.name, ns.type, every=ns.every, cron=ns.cron, args=args, group_key=ns.group,
+                        priority=ns.priority, max_attempts=ns.max_attempts, timeout=ns.timeout, unique_key=ns.unique_key)
+    else:
+        found = [s for s in schedules(engine) if s.name == ns.name]
+        if not found:
+            raise _CliError(f"no schedule named {ns.name!r}", _EXIT_NO_SUCH_JOB)
+        info = found[0]
+    _print_json(_schedule_json(info)) if ns.json else print(_schedule_text(info))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -10908,6 +11422,8 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
         else:
             limit = set_limit(engine, max_in_flight=ns.max_in_flight, rate_limit=ns.rate)
         _print_json(dataclasses.asdict(limit)) if ns.json else print(_limit_text(limit))
+    elif cmd in ("schedule", "schedules"):
+        return _schedule_command(ns, engine)
     elif cmd == "prune":
         n = prune(engine, ns.older_than, states=tuple(ns.state or ("done",)))
         _print_json({"deleted": n}) if ns.json else print(f"deleted {n} job(s)")

@@ -202,6 +202,7 @@ def wipe(engine: sa.Engine) -> None:
         conn.execute(sa.delete(tables["jobq_groups"]))  # stored group policy (set_group), and its counts
         conn.execute(sa.delete(tables["jobq_waits"]))  # what handlers waited for, and the signals
         conn.execute(sa.delete(tables["jobq_signals"]))
+        conn.execute(sa.delete(tables["jobq_schedules"]))  # recurring jobs (jobq.schedule)
         conn.execute(sa.update(meta).where(meta.c.key == "claim_lock").values(value=""))
         conn.execute(sa.update(meta).where(meta.c.key == "global_limits").values(value=""))  # set_limit
 

@@ -35,6 +35,8 @@ TABLE_PURPOSE = {
                     "while the key is only awaited). Read by `ctx.wait_for`.",
     "jobq_waits": "What each job's handler waited for: signal waits with their timeout, relative "
                   "sleeps with their end, the snooze count; kept for the job's life.",
+    "jobq_schedules": "One row per recurring job (`jobq.schedule`): its interval or cron expression, "
+                      "the job it enqueues, its next and last slot, and the revision its firing is fenced on.",
 }
 API_PREFIX = "reference/api/"
 
