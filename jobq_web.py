@@ -10,7 +10,7 @@ framework (see docs/guides/dashboard.md).
 
 Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list with filters and
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
-``/groups``; ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
+``/groups``, ``/schedules`` (recurring jobs); ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
 ``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``)
 need the token (a session cookie from ``/login``, or ``Authorization: Bearer <token>``) and,
 with the cookie, a CSRF field; without a token the dashboard is read-only. A GET of an
@@ -636,11 +636,14 @@ class Dashboard:
             data = group_page(self.engine, after=after,
                               limit=_int_arg(req, "limit", None if api else GROUPS_PAGE, 1, _MAX_PAGE))
             return self._json(data) if api else self._page(req, "Groups", self._groups_html(req, data), "/groups")
+        if parts == ["schedules"]:
+            data = schedule_list(self.engine, hide_args=self.hide_args)
+            return self._json(data) if api else self._page(req, "Schedules", _schedules_html(req, data), "/schedules")
         raise _HttpError(404, f"no page at {req.path}")
 
     @staticmethod
     def _known_get(parts: list[str], api: bool) -> bool:
-        return parts in ([], ["jobs"], ["groups"]) or (len(parts) == 2 and parts[0] == "jobs")
+        return parts in ([], ["jobs"], ["groups"], ["schedules"]) or (len(parts) == 2 and parts[0] == "jobs")
 
     # ---- handlers
 
@@ -871,7 +874,8 @@ class Dashboard:
     def _page(self, req: _Request, title: str, content: str, here: str) -> _Response:
         b = _e(req.base)
         nav = "".join(f'<a href="{b}{p}"{" class=here" if p == here else ""}>{name}</a>'
-                      for p, name in (("/", "Overview"), ("/jobs", "Jobs"), ("/groups", "Groups")))
+                      for p, name in (("/", "Overview"), ("/jobs", "Jobs"), ("/groups", "Groups"),
+                                      ("/schedules", "Schedules")))
         if self.token is None:
             who = "read-only"
         elif self._session_ok(req):
@@ -1048,6 +1052,27 @@ def _healthz(engine: sa.Engine) -> _Response:
                     + ("run jobq init" if found is None or int(found) < jobq.SCHEMA_VERSION else "upgrade jobq"))
     body = json.dumps({"status": "ok", "schema_version": int(found)}).encode()
     return 200, [("Content-Type", "application/json")], body
+
+
+def schedule_list(engine: sa.Engine, *, hide_args: bool = False) -> dict[str, Any]:
+    """The recurring jobs (jobq.schedules), as the Schedules page and /api/schedules show them."""
+    found = jobq.schedules(engine) if sa.inspect(engine).has_table("jobq_schedules") else []
+    return {"schedules": [{**_plain(s), "every": None if s.every is None else s.every.total_seconds()}
+                          | ({"args": None} if hide_args else {}) for s in found]}
+
+
+def _schedules_html(req: _Request, d: Mapping[str, Any]) -> str:
+    b = _e(req.base)
+    rows = ([_e(s["name"]), f'<a href="{b}/jobs?type={_e(urllib.parse.quote(s["type"]))}">{_e(s["type"])}</a>',
+             _e(s["group_key"]), _e(f"cron {s['cron']} (UTC)" if s["cron"] else f"every {_jq._span(s['every'])}"),
+             _e(s["next_run_at"]), _e(s["last_run_at"] or "-"),
+             f'<a href="{b}/jobs/{int(s["last_job_id"])}">{int(s["last_job_id"])}</a>' if s["last_job_id"] else "-",
+             _e(s["runs"]), _num(s["paused"])] for s in d["schedules"])
+    table = _table(["name", "type", "group", "timing", "next slot", "last slot", "last job", "runs", "paused"], rows,
+                   "schedules")
+    return ('<h1>Schedules</h1><p class="muted">Recurring jobs: each slot is enqueued once by the first worker '
+            "that sees it due; after downtime, one job for the latest missed slot. Pause, resume and remove with "
+            "<code>jobq schedule NAME --pause|--resume|--remove</code>.</p>" + table)
 
 
 def _global_html(g: Mapping[str, Any]) -> str:
