@@ -81,6 +81,12 @@ SCALE_CHECKS = ["tests/dag/test_adversarial_dag.py::test_a_thousand_deep_nest_of
 INSTALLATION_CHECK = [*(f"--ignore={p}" for p in REPEATED), *(f"--deselect={t}" for t in SCALE_CHECKS)]
 
 
+def _installation_check(paths: list[str]) -> list[str]:
+    """pytest's arguments for ``paths`` less INSTALLATION_CHECK: a path named on the command line
+    is collected whatever --ignore says, so REPEATED's are dropped from ``paths`` too."""
+    return [p for p in paths if p not in REPEATED] + INSTALLATION_CHECK
+
+
 def _env(dialects: str | None = None) -> dict[str, str]:
     # The server URLs pass through from the caller's environment, untouched.
     # A session for one engine (tests-postgres, ...) without that engine fails, rather than
@@ -141,7 +147,7 @@ def tests_nofastpath(session: nox.Session) -> None:
     every statement through Connection.execute, as on a SQLAlchemy the cursor fast path does not recognise."""
     session.install(*TEST_DEPS)
     env = {**_env("postgresql"), "JOBQ_FASTPATH": "0"}
-    session.run("pytest", *CONFORMANCE, *INSTALLATION_CHECK, *_workers(session), *session.posargs, env=env)
+    session.run("pytest", *_installation_check(CONFORMANCE), *_workers(session), *session.posargs, env=env)
 
 
 @nox.session(name="tests-mysqlclient", default=False)
@@ -156,8 +162,8 @@ def tests_mysqlclient(session: nox.Session) -> None:
             session.error(f"{var} names no server: this session runs only against real servers")
         scheme, sep, rest = url.partition("://")
         env[var] = f"{scheme.split('+')[0]}+mysqldb{sep}{rest}"
-    session.run("pytest", "tests/core", "tests/dag", "tests/cli", *INSTALLATION_CHECK, *_workers(session), *session.posargs,
-                env=env)
+    session.run("pytest", *_installation_check(["tests/core", "tests/dag", "tests/cli"]), *_workers(session),
+                *session.posargs, env=env)
 
 
 def _race_sessions() -> None:
@@ -297,7 +303,7 @@ def floors(session: nox.Session) -> None:
     session.run("python", "-c", CHECK_FLOORS, *pins)
     dialects = "sqlite,postgresql"
     env = {"JOBQ_TEST_DIALECTS": dialects, "JOBQ_REQUIRE_DIALECTS": dialects}
-    session.run("pytest", *FLOORS_SUITE, *INSTALLATION_CHECK, *_workers(session), *session.posargs, env=env)
+    session.run("pytest", *_installation_check(FLOORS_SUITE), *_workers(session), *session.posargs, env=env)
     if os.environ.get(URL_VAR["mariadb"]):  # PyMySQL and aiomysql: a small part of the suite
         env = {"JOBQ_TEST_DIALECTS": "mariadb", "JOBQ_REQUIRE_DIALECTS": "mariadb"}
         session.run("pytest", *FLOORS_MARIADB, *session.posargs, env=env)
@@ -314,7 +320,7 @@ def single(session: nox.Session) -> None:
     session.install(*TEST_DEPS)
     # The checks of scale measure the claim's cost, not the layout, and the doc blocks and
     # scenarios import the package: INSTALLATION_CHECK leaves them to `tests`.
-    session.run("pytest", *CONFORMANCE, *INSTALLATION_CHECK, *_workers(session), *session.posargs,
+    session.run("pytest", *_installation_check(CONFORMANCE), *_workers(session), *session.posargs,
                 env={**_env("sqlite"), "JOBQ_TEST_SINGLE_FILE": "1"})
 
 
