@@ -522,7 +522,8 @@ def _parser() -> argparse.ArgumentParser:
     when.add_argument("--delay", type=_delay, metavar="DURATION", help="not before this long from now (seconds, or 30s, 15m, 2h)")
     when.add_argument("--run-after", type=_run_after, metavar="TIME", help="not before this time (ISO 8601 with a zone, e.g. 2030-01-31T09:00:00Z)")
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run (default: the worker's)")
-    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="dispatches before it fails (default: 3)")
+    p.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                   help="dispatches before it fails (default: 3, or the handler's RetryPolicy attempts)")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="claim order within its group, higher first (default: 0)")
     p.add_argument("--unique-key", metavar="KEY", help="while an unfinished job holds KEY, print its id and add nothing")
     p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")

@@ -622,11 +622,11 @@ class RetryPolicy:
     worker in ``handlers`` as usual. Every field left None falls back to what the worker does
     without a policy.
 
-    Precedence: a job's own ``max_attempts`` (given at enqueue) wins over ``attempts``, which
-    wins over enqueue's default (3). The job row holds one number, so a job enqueued with
-    ``max_attempts`` equal to that default cannot be told from one enqueued without it: the
-    policy applies to both. The worker writes the policy's attempts into such a job when it
-    claims it, so every later reader (a reclaim sweep, ``get``, ``why``) sees the same limit.
+    Precedence: a job's own ``max_attempts`` (given at enqueue, 3 included) wins over
+    ``attempts``, which wins over enqueue's default (3); the job row records whether
+    ``max_attempts`` was given (jobs enqueued before schema 7 read as not given). The worker
+    writes the policy's attempts into a job enqueued without one when it claims it, so every
+    later reader (a reclaim sweep, ``get``, ``why``) sees the same limit.
     Back-off: the policy's (when it sets ``base``, ``cap`` or ``jitter``), else the worker's
     ``retry_backoff``, else :func:`jobq.backoff`.
 

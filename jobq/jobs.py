@@ -232,7 +232,8 @@ class _JobSpec:
                                       lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
     container: bool = _field(False, lambda v, keys: bool(v), "is_container")
     run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
-    max_attempts: int = _field(_DEFAULT_ATTEMPTS, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
+    max_attempts: int | None = _field(None, lambda v, keys: None if v is None else _check_int(v, "max_attempts", 1, 1000),
+                                      "max_attempts", lambda v, now: _DEFAULT_ATTEMPTS if v is None else v)
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
     priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
     unique_key: str | None = _field(None, lambda v, keys: None if v is None else _check_name(v, "unique_key"), "unique_key")
@@ -256,6 +257,7 @@ def _job_row(spec: _JobSpec, now: _dt.datetime, *, state: str, pending_deps: int
     with (the one place both enqueue and submit build a row)."""
     row = {f.metadata["column"]: f.metadata["to_row"](getattr(spec, f.name), now) for f in _JOB_FIELDS if f.metadata["column"]}
     closed = state in _BAD
+    row["max_attempts_set"] = spec.max_attempts is not None
     row.update(
         state=state, created_at=now, updated_at=now, finished_at=now if closed else None, error=None, closed_by=None,
         attempts=0, in_flight=False, cancel_requested=False, pending_deps=pending_deps,
@@ -277,7 +279,7 @@ def enqueue(
     parent: int | None = None,
     container: bool = False,
     run_after: _dt.datetime | _dt.timedelta | None = None,
-    max_attempts: int = 3,
+    max_attempts: int | None = None,
     timeout: float | None = None,
     priority: int = 0,
     unique_key: str | None = None,
@@ -298,8 +300,9 @@ def enqueue(
         container: make a container: it never runs, and is done when all its children are done
             (failed when any child failed, once all are finished).
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
-        max_attempts: how many times the job may be dispatched (1-1000; default 3, or the
-            ``attempts`` of its handler's :class:`RetryPolicy` when one sets them).
+        max_attempts: how many times the job may be dispatched (1-1000). None (the default):
+            the ``attempts`` of its handler's :class:`RetryPolicy` when one sets them, else 3.
+            A number given here wins over any policy, 3 included.
         timeout: seconds one dispatch may run before it is timed out (None: the worker default).
         priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
             default 0); ties go to the oldest due, then the lowest id. It never overrides fair

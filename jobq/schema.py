@@ -92,6 +92,9 @@ class Job(Base):
     finished_at: orm.Mapped[_dt.datetime | None] = orm.mapped_column(_TS, nullable=True)
     attempts: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0)
     max_attempts: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=3)
+    #: ``max_attempts`` was given at enqueue (schema 7): a handler's RetryPolicy then leaves it
+    #: alone (Worker._own_attempts). Rows made before schema 7 read false.
+    max_attempts_set: orm.Mapped[bool] = orm.mapped_column(sa.Boolean, default=False, server_default=sa.false())
     timeout: orm.Mapped[float | None] = orm.mapped_column(sa.Float, nullable=True)
     error: orm.Mapped[str | None] = orm.mapped_column(_TEXT, nullable=True)
     lease_owner: orm.Mapped[str | None] = orm.mapped_column(sa.String(200), nullable=True)

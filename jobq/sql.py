@@ -994,6 +994,11 @@ def _q_renew_held_slots(worker_id: str, expires: _dt.datetime) -> sa.Update:
     return sa.update(_slots).where(_slots.c.worker_id == worker_id).values(expires=expires)
 
 
+def _q_attempts_unset(ids: list[int]) -> sa.Select[Any]:
+    # Worker._own_attempts: which of these jobs were enqueued without a max_attempts of their own.
+    return sa.select(_c.id).where(_c.id.in_(ids), _c.max_attempts_set == sa.false())
+
+
 def _q_set_max_attempts(ids: list[int], token: str, n: int) -> sa.Update:
     # In the claim's transaction, on rows it just leased under ``token`` (Worker._own_attempts).
     return _update_jobs().where(_c.id.in_(ids), _c.lease_token == token).values(max_attempts=n)

@@ -51,6 +51,7 @@ from .recurring import _SCHEDULE_POLL, _fire_due
 from .sql import (
     _Q_FREE_SLOT,
     _Outcome,
+    _q_attempts_unset,
     _q_busy_or_due,
     _q_checkpoint,
     _q_hold_slots,
@@ -277,14 +278,19 @@ class _WorkerCore:
 
     def _own_attempts(self, conn: Connection, leases: list[Lease]) -> list[Lease]:
         """In the claim's transaction: jobs whose handler's RetryPolicy sets ``attempts`` and
-        that were enqueued without a ``max_attempts`` of their own (the row holds the default)
-        get the policy's number, in their row (so a reclaim sweep, ``get`` and ``why`` see it)
-        and in their lease."""
+        that were enqueued without a ``max_attempts`` of their own (the row holds the default and
+        says it was not given) get the policy's number, in their row (so a reclaim sweep, ``get``
+        and ``why`` see it) and in their lease. Only such leases cost a read."""
+        maybe = [x.id for x in leases if (n := self._attempts_of.get(x.type)) is not None
+                 and x.max_attempts == _DEFAULT_ATTEMPTS != n]
+        if not maybe:
+            return leases
+        unset = {i for chunk in _chunks(maybe) for i in conn.execute(_q_attempts_unset(list(chunk))).scalars()}
         fix: dict[tuple[int, str], list[int]] = {}
         out: list[Lease] = []
         for lease in leases:
             n = self._attempts_of.get(lease.type)
-            if n is not None and lease.max_attempts == _DEFAULT_ATTEMPTS != n:
+            if n is not None and lease.id in unset:
                 fix.setdefault((n, lease.token), []).append(lease.id)
                 lease = dataclasses.replace(lease, max_attempts=n)
             out.append(lease)

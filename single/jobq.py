@@ -856,6 +856,9 @@ class Job(Base):
     finished_at: orm.Mapped[_dt.datetime | None] = orm.mapped_column(_TS, nullable=True)
     attempts: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=0)
     max_attempts: orm.Mapped[int] = orm.mapped_column(sa.Integer, default=3)
+    #: ``max_attempts`` was given at enqueue (schema 7): a handler's RetryPolicy then leaves it
+    #: alone (Worker._own_attempts). Rows made before schema 7 read false.
+    max_attempts_set: orm.Mapped[bool] = orm.mapped_column(sa.Boolean, default=False, server_default=sa.false())
     timeout: orm.Mapped[float | None] = orm.mapped_column(sa.Float, nullable=True)
     error: orm.Mapped[str | None] = orm.mapped_column(_TEXT, nullable=True)
     lease_owner: orm.Mapped[str | None] = orm.mapped_column(sa.String(200), nullable=True)
@@ -2107,6 +2110,11 @@ def _q_hold_slots() -> sa.Insert:
 
 def _q_renew_held_slots(worker_id: str, expires: _dt.datetime) -> sa.Update:
     return sa.update(_slots).where(_slots.c.worker_id == worker_id).values(expires=expires)
+
+
+def _q_attempts_unset(ids: list[int]) -> sa.Select[Any]:
+    # Worker._own_attempts: which of these jobs were enqueued without a max_attempts of their own.
+    return sa.select(_c.id).where(_c.id.in_(ids), _c.max_attempts_set == sa.false())
 
 
 def _q_set_max_attempts(ids: list[int], token: str, n: int) -> sa.Update:
@@ -3581,9 +3589,15 @@ def _step_6(conn: Connection, d: _Dialect) -> None:
 def _step_7(conn: Connection, d: _Dialect) -> None:
     """6 -> 7: jobs.trace_parent, the enqueuing span's trace context (nullable, no default: an
     instant change of the table's definition on every engine, no rewrite); recurring jobs
-    (jobq_schedules), a new table made by create_all before any step."""
-    if "trace_parent" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}:
+    (jobq_schedules), a new table made by create_all before any step; jobs.max_attempts_set,
+    whether enqueue was given max_attempts (a RetryPolicy's attempts apply only where it was
+    not; existing rows read false, as before this step)."""
+    columns = {c["name"] for c in sa.inspect(conn).get_columns("jobs")}
+    if "trace_parent" not in columns:
         conn.execute(_DDL_TRACE_PARENT)
+    if "max_attempts_set" not in columns:
+        kind, false = sa.Boolean().compile(dialect=conn.dialect), sa.false().compile(dialect=conn.dialect)
+        conn.execute(sa.DDL(f"ALTER TABLE jobs ADD COLUMN max_attempts_set {kind} DEFAULT {false} NOT NULL"))
 
 
 def _upgrade_4_state(conn: Connection, d: _Dialect) -> None:
@@ -3706,7 +3720,8 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (4, _step_4, "priority, unique keys, checkpoints, progress; spawning"),
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
     (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
-    (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context); jobq_schedules (recurring jobs)"),
+    (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context); jobq_schedules (recurring jobs); "
+                 "jobs.max_attempts_set (an enqueue's max_attempts wins over a RetryPolicy)"),
 )
 
 
@@ -6447,7 +6462,8 @@ class _JobSpec:
                                       lambda v, now: v if isinstance(v, int) else None)  # a key: set once inserted
     container: bool = _field(False, lambda v, keys: bool(v), "is_container")
     run_after: _dt.datetime | _dt.timedelta | None = _field(None, _spec_run_after, "run_after", _run_after_row)
-    max_attempts: int = _field(_DEFAULT_ATTEMPTS, lambda v, keys: _check_int(v, "max_attempts", 1, 1000), "max_attempts")
+    max_attempts: int | None = _field(None, lambda v, keys: None if v is None else _check_int(v, "max_attempts", 1, 1000),
+                                      "max_attempts", lambda v, now: _DEFAULT_ATTEMPTS if v is None else v)
     timeout: float | None = _field(None, lambda v, keys: _check_seconds(v, "timeout"), "timeout")
     priority: int = _field(0, lambda v, keys: _check_int(v, "priority", -_INT32, _INT32 - 1), "priority")
     unique_key: str | None = _field(None, lambda v, keys: None if v is None else _check_name(v, "unique_key"), "unique_key")
@@ -6471,6 +6487,7 @@ def _job_row(spec: _JobSpec, now: _dt.datetime, *, state: str, pending_deps: int
     with (the one place both enqueue and submit build a row)."""
     row = {f.metadata["column"]: f.metadata["to_row"](getattr(spec, f.name), now) for f in _JOB_FIELDS if f.metadata["column"]}
     closed = state in _BAD
+    row["max_attempts_set"] = spec.max_attempts is not None
     row.update(
         state=state, created_at=now, updated_at=now, finished_at=now if closed else None, error=None, closed_by=None,
         attempts=0, in_flight=False, cancel_requested=False, pending_deps=pending_deps,
@@ -6492,7 +6509,7 @@ def enqueue(
     parent: int | None = None,
     container: bool = False,
     run_after: _dt.datetime | _dt.timedelta | None = None,
-    max_attempts: int = 3,
+    max_attempts: int | None = None,
     timeout: float | None = None,
     priority: int = 0,
     unique_key: str | None = None,
@@ -6513,8 +6530,9 @@ def enqueue(
         container: make a container: it never runs, and is done when all its children are done
             (failed when any child failed, once all are finished).
         run_after: an aware datetime, or a timedelta from now (database clock); default now.
-        max_attempts: how many times the job may be dispatched (1-1000; default 3, or the
-            ``attempts`` of its handler's :class:`RetryPolicy` when one sets them).
+        max_attempts: how many times the job may be dispatched (1-1000). None (the default):
+            the ``attempts`` of its handler's :class:`RetryPolicy` when one sets them, else 3.
+            A number given here wins over any policy, 3 included.
         timeout: seconds one dispatch may run before it is timed out (None: the worker default).
         priority: claim order within the group, higher first (an int in -2**31 .. 2**31-1;
             default 0); ties go to the oldest due, then the lowest id. It never overrides fair
@@ -8989,11 +9007,11 @@ class RetryPolicy:
     worker in ``handlers`` as usual. Every field left None falls back to what the worker does
     without a policy.
 
-    Precedence: a job's own ``max_attempts`` (given at enqueue) wins over ``attempts``, which
-    wins over enqueue's default (3). The job row holds one number, so a job enqueued with
-    ``max_attempts`` equal to that default cannot be told from one enqueued without it: the
-    policy applies to both. The worker writes the policy's attempts into such a job when it
-    claims it, so every later reader (a reclaim sweep, ``get``, ``why``) sees the same limit.
+    Precedence: a job's own ``max_attempts`` (given at enqueue, 3 included) wins over
+    ``attempts``, which wins over enqueue's default (3); the job row records whether
+    ``max_attempts`` was given (jobs enqueued before schema 7 read as not given). The worker
+    writes the policy's attempts into a job enqueued without one when it claims it, so every
+    later reader (a reclaim sweep, ``get``, ``why``) sees the same limit.
     Back-off: the policy's (when it sets ``base``, ``cap`` or ``jitter``), else the worker's
     ``retry_backoff``, else :func:`jobq.backoff`.
 
@@ -9312,14 +9330,19 @@ class _WorkerCore:
 
     def _own_attempts(self, conn: Connection, leases: list[Lease]) -> list[Lease]:
         """In the claim's transaction: jobs whose handler's RetryPolicy sets ``attempts`` and
-        that were enqueued without a ``max_attempts`` of their own (the row holds the default)
-        get the policy's number, in their row (so a reclaim sweep, ``get`` and ``why`` see it)
-        and in their lease."""
+        that were enqueued without a ``max_attempts`` of their own (the row holds the default and
+        says it was not given) get the policy's number, in their row (so a reclaim sweep, ``get``
+        and ``why`` see it) and in their lease. Only such leases cost a read."""
+        maybe = [x.id for x in leases if (n := self._attempts_of.get(x.type)) is not None
+                 and x.max_attempts == _DEFAULT_ATTEMPTS != n]
+        if not maybe:
+            return leases
+        unset = {i for chunk in _chunks(maybe) for i in conn.execute(_q_attempts_unset(list(chunk))).scalars()}
         fix: dict[tuple[int, str], list[int]] = {}
         out: list[Lease] = []
         for lease in leases:
             n = self._attempts_of.get(lease.type)
-            if n is not None and lease.max_attempts == _DEFAULT_ATTEMPTS != n:
+            if n is not None and lease.id in unset:
                 fix.setdefault((n, lease.token), []).append(lease.id)
                 lease = dataclasses.replace(lease, max_attempts=n)
             out.append(lease)
@@ -11063,7 +11086,8 @@ def _parser() -> argparse.ArgumentParser:
     when.add_argument("--delay", type=_delay, metavar="DURATION", help="not before this long from now (seconds, or 30s, 15m, 2h)")
     when.add_argument("--run-after", type=_run_after, metavar="TIME", help="not before this time (ISO 8601 with a zone, e.g. 2030-01-31T09:00:00Z)")
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run (default: the worker's)")
-    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="dispatches before it fails (default: 3)")
+    p.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                   help="dispatches before it fails (default: 3, or the handler's RetryPolicy attempts)")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="claim order within its group, higher first (default: 0)")
     p.add_argument("--unique-key", metavar="KEY", help="while an unfinished job holds KEY, print its id and add nothing")
     p = add("status", "counts per state, due and scheduled ready jobs, in flight per group, expired leases, failures")

@@ -152,6 +152,19 @@ def test_policy_attempts_apply_unless_the_job_was_enqueued_with_its_own(engine: 
     assert runs == {by_policy: ("failed", 5, 5), own: ("failed", 2, 2), plain: ("failed", 3, 3)}, runs
 
 
+def test_an_explicit_max_attempts_of_3_wins_over_the_policy(engine: sa.Engine) -> None:
+    """max_attempts=3 given at enqueue (or in a submit item) is the job's own number, though
+    it equals the default: the policy's attempts=5 must not replace it. The bug this catches:
+    a row that holds 3 read as "not given", so the job runs 5 times."""
+    own = jobq.enqueue(engine, "policy", max_attempts=3)
+    keys = jobq.submit(engine, [{"key": "a", "type": "policy", "max_attempts": 3}, {"key": "b", "type": "policy"}])
+    w = jobq.Worker(engine, {"policy": _always_fails}, max_concurrency=2, **FAST)
+    assert w.run_until_idle(timeout=60)
+    runs = {j: (jobq.get(engine, j).state, jobq.get(engine, j).attempts)  # type: ignore[union-attr]
+            for j in (own, keys["a"], keys["b"])}
+    assert runs == {own: ("failed", 3), keys["a"]: ("failed", 3), keys["b"]: ("failed", 5)}, runs
+
+
 def test_policy_attempts_hold_for_a_reclaimed_lease(engine: sa.Engine) -> None:
     """attempts=1, and the dispatch's lease expires and is swept while its handler runs: the
     sweep must see the policy's limit and fail the job (attempt 1 of 1), not give it back to
