@@ -614,7 +614,8 @@ def _schedule_parsers(add: Callable[[str, str], argparse.ArgumentParser]) -> Non
     p.add_argument("--args", default="{}", metavar="JSON", help="the jobs' arguments: a JSON object")
     p.add_argument("--group", default="default", help="fair-share group of its jobs (default: default)")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="its jobs' priority (default: 0)")
-    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="its jobs' dispatches (default: 3)")
+    p.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                   help="its jobs' dispatches (default: 3, or the handler's RetryPolicy attempts)")
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run")
     p.add_argument("--unique-key", metavar="KEY", help="skip a slot while an earlier slot's job is unfinished")
     act = p.add_mutually_exclusive_group()

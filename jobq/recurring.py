@@ -47,7 +47,8 @@ class ScheduleInfo:
     Attributes:
         name: the schedule's name (its key).
         type, args, group_key, weight, priority, max_attempts, timeout, unique_key: the job each
-            slot enqueues, as :func:`enqueue` takes them.
+            slot enqueues, as :func:`enqueue` takes them (``max_attempts`` None: not given, so
+            3 or the handler's RetryPolicy attempts).
         every: the interval, or None for a cron schedule.
         cron: the cron expression (evaluated in UTC), or None for an interval schedule.
         start: an interval schedule's anchor: its slots are ``start + k * every``.
@@ -69,7 +70,7 @@ class ScheduleInfo:
     group_key: str
     weight: int
     priority: int
-    max_attempts: int
+    max_attempts: int | None
     timeout: float | None
     unique_key: str | None
     paused: bool
@@ -173,7 +174,7 @@ def schedule(
     args: Mapping[str, Any] | None = None,
     group_key: str = "default",
     weight: int = 1,
-    max_attempts: int = 3,
+    max_attempts: int | None = None,
     timeout: float | None = None,
     priority: int = 0,
     unique_key: str | None = None,

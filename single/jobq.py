@@ -1093,7 +1093,7 @@ _schedules = sa.Table(
     sa.Column("group_key", _NAME, nullable=False),
     sa.Column("weight", sa.Integer, nullable=False),
     sa.Column("priority", sa.Integer, nullable=False),
-    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=True),  # NULL: not given (a RetryPolicy may set it)
     sa.Column("timeout", sa.Float, nullable=True),
     sa.Column("unique_key", _NAME, nullable=True),
     sa.Column("paused", sa.Boolean, nullable=False),
@@ -7104,7 +7104,8 @@ class ScheduleInfo:
     Attributes:
         name: the schedule's name (its key).
         type, args, group_key, weight, priority, max_attempts, timeout, unique_key: the job each
-            slot enqueues, as :func:`enqueue` takes them.
+            slot enqueues, as :func:`enqueue` takes them (``max_attempts`` None: not given, so
+            3 or the handler's RetryPolicy attempts).
         every: the interval, or None for a cron schedule.
         cron: the cron expression (evaluated in UTC), or None for an interval schedule.
         start: an interval schedule's anchor: its slots are ``start + k * every``.
@@ -7126,7 +7127,7 @@ class ScheduleInfo:
     group_key: str
     weight: int
     priority: int
-    max_attempts: int
+    max_attempts: int | None
     timeout: float | None
     unique_key: str | None
     paused: bool
@@ -7230,7 +7231,7 @@ def schedule(
     args: Mapping[str, Any] | None = None,
     group_key: str = "default",
     weight: int = 1,
-    max_attempts: int = 3,
+    max_attempts: int | None = None,
     timeout: float | None = None,
     priority: int = 0,
     unique_key: str | None = None,
@@ -11178,7 +11179,8 @@ def _schedule_parsers(add: Callable[[str, str], argparse.ArgumentParser]) -> Non
     p.add_argument("--args", default="{}", metavar="JSON", help="the jobs' arguments: a JSON object")
     p.add_argument("--group", default="default", help="fair-share group of its jobs (default: default)")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="its jobs' priority (default: 0)")
-    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="its jobs' dispatches (default: 3)")
+    p.add_argument("--max-attempts", type=int, default=None, metavar="N",
+                   help="its jobs' dispatches (default: 3, or the handler's RetryPolicy attempts)")
     p.add_argument("--timeout", type=_interval, metavar="DURATION", help="most one dispatch may run")
     p.add_argument("--unique-key", metavar="KEY", help="skip a slot while an earlier slot's job is unfinished")
     act = p.add_mutually_exclusive_group()

@@ -289,3 +289,22 @@ def test_a_policy_cannot_be_attached_to_a_bound_method() -> None:
 
     with pytest.raises(jobq.ConfigError, match="decorate the function itself"):
         jobq.RetryPolicy(attempts=2)(Handlers().run)
+
+
+def test_a_scheduled_job_takes_the_policy_unless_its_schedule_gives_max_attempts(engine: sa.Engine) -> None:
+    """A schedule made without max_attempts stores none (NULL), so the jobs it enqueues take
+    the handler's RetryPolicy attempts (5); one made with max_attempts=3 keeps 3. The bug: the
+    schedule's default stored as an explicit 3, so no scheduled job ever took its policy."""
+    jobq.schedule(engine, "policy-default", "policy", every=dt.timedelta(minutes=1))
+    jobq.schedule(engine, "policy-three", "policy", every=dt.timedelta(minutes=1), max_attempts=3)
+    assert [s.max_attempts for s in jobq.schedules(engine)] == [None, 3]
+    due = max(s.next_run_at for s in jobq.schedules(engine)).astimezone(dt.UTC).replace(tzinfo=None)
+    ids = sorted(jobq._fire_due(engine, due))
+    fired = dict(zip(["policy-default", "policy-three"], ids, strict=True))  # made in this order
+    assert [jobq.get(engine, j).type for j in ids] == ["policy", "policy"]  # type: ignore[union-attr]
+    jobs = jobq.Job.__table__
+    with engine.begin() as conn:  # their slot is a minute ahead: make them due now
+        conn.execute(sa.update(jobs).where(jobs.c.id.in_(ids)).values(run_after=jobq.stats(engine)["now"]))
+    assert jobq.Worker(engine, {"policy": _always_fails}, max_concurrency=2, **FAST).run_until_idle(timeout=60)
+    assert {n: jobq.get(engine, j).attempts for n, j in fired.items()} == {  # type: ignore[union-attr]
+        "policy-default": 5, "policy-three": 3}
