@@ -162,23 +162,35 @@ def test_wait_timeout_is_raised_in_the_rerun_and_stays(engine: sa.Engine) -> Non
 
 
 def test_sleep_until_suspends_until_then(engine: sa.Engine) -> None:
-    """sleep_until(t) suspends with run_after = t; the re-run after t returns at once."""
-    when = (db_now(engine) + dt.timedelta(seconds=0.5)).replace(tzinfo=dt.UTC)
-    runs: list[int] = []
+    """sleep_until(t) suspends with run_after = t; the re-run after t returns at once.
+
+    t is a margin ahead of the database clock. On a machine so slow that the first run reaches
+    sleep_until after t, returning at once is right and proves nothing: the clock read after it
+    returned must be past t (else it returned early, a bug), and the scenario is tried again with
+    a margin four times as long. Slowness costs time, never a false failure."""
+    returned: list[dt.datetime] = []
 
     def napper(ctx: jobq.JobContext) -> dict:
-        runs.append(ctx.attempt)
         ctx.sleep_until(dt.datetime.fromisoformat(ctx.args["when"]))
-        return {"runs": len(runs)}
+        returned.append(db_now(engine).replace(tzinfo=dt.UTC))
+        return {"attempt": ctx.attempt}
 
-    job = jobq.enqueue(engine, "n", {"when": when.isoformat()}, max_attempts=1)
     w = jobq.Worker(engine, {"n": napper}, max_concurrency=1, **FAST)
-    assert w.run_until_idle(timeout=30)
+    for margin in (0.5, 2.0, 8.0, 32.0):
+        returned.clear()
+        when = (db_now(engine) + dt.timedelta(seconds=margin)).replace(tzinfo=dt.UTC)
+        job = jobq.enqueue(engine, "n", {"when": when.isoformat()}, max_attempts=1)
+        assert w.run_until_idle(timeout=60)
+        if not returned:  # it suspended
+            break
+        assert returned[0] >= when, f"sleep_until returned at {returned[0]}, before {when}"
+    else:
+        pytest.fail("the first run never reached sleep_until before its end, even 32 s ahead")
     r = row(engine, job)
     assert (r.state, r.attempts) == ("ready", 0)
     assert r.run_after.replace(tzinfo=dt.UTC) == when
     run_until(engine, w, job, "done")
-    assert runs == [1, 1]
+    assert len(returned) == 1 and returned[0] >= when
     assert outcomes(engine, job) == [(1, "suspended"), (1, "done")]
 
 
