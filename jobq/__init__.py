@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> recurring -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> recurring -> control -> ops -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -49,10 +49,39 @@ from .drivers import PG_NOTIFY_CHANNEL, SQLITE_BUSY_TIMEOUT_MS, TX_RETRIES
 from .jobs import AttemptInfo, JobInfo, attempts, create_schema, enqueue, get, submit
 from .limits import UNLIMITED, GlobalLimit, GroupPolicy, get_group, get_limit, groups, set_group, set_limit
 from .metrics import METRICS_BUCKETS, MetricsCollector
+from .ops import (
+    BULK_ACTIONS,
+    RETENTION_BATCH,
+    RETENTION_BATCHES,
+    RETENTION_INTERVAL,
+    AuditEntry,
+    BulkResult,
+    LogLine,
+    RetentionPolicy,
+    apply_retention,
+    audit_log,
+    bulk,
+    get_retention,
+    logs,
+    retention_policies,
+    set_retention,
+)
 from .outcomes import fail, finalize, heartbeat, reclaim, release
 from .policy import allocate, backoff, fair_share
 from .recurring import ScheduleInfo, pause_schedule, resume_schedule, schedule, schedules, unschedule
-from .schema import ATTEMPT_OUTCOMES, SCHEMA_VERSION, START_LOG_RETENTION, STATES, TERMINAL, Base, Job, JobDep
+from .schema import (
+    ATTEMPT_OUTCOMES,
+    LOG_FIELDS_BYTES,
+    LOG_LINES_PER_JOB,
+    LOG_MESSAGE_CHARS,
+    SCHEMA_VERSION,
+    START_LOG_RETENTION,
+    STATES,
+    TERMINAL,
+    Base,
+    Job,
+    JobDep,
+)
 from .sql import ready_set
 from .tracing import propagate_trace_context, trace_attempts
 from .validate import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_NAME_LENGTH
@@ -63,7 +92,10 @@ __all__ = [
     "ATTEMPT_OUTCOMES",
     "AsyncWorker",
     "AttemptInfo",
+    "AuditEntry",
+    "BULK_ACTIONS",
     "Base",
+    "BulkResult",
     "CLAIM_WINDOW",
     "ClaimedId",
     "ConfigError",
@@ -77,8 +109,12 @@ __all__ = [
     "JobDep",
     "JobInfo",
     "JobqError",
+    "LOG_FIELDS_BYTES",
+    "LOG_LINES_PER_JOB",
+    "LOG_MESSAGE_CHARS",
     "Lease",
     "LeaseLost",
+    "LogLine",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_NAME_LENGTH",
@@ -86,6 +122,10 @@ __all__ = [
     "MetricsCollector",
     "NoRetry",
     "PG_NOTIFY_CHANNEL",
+    "RETENTION_BATCH",
+    "RETENTION_BATCHES",
+    "RETENTION_INTERVAL",
+    "RetentionPolicy",
     "RetryPolicy",
     "SCHEMA_VERSION",
     "SQLITE_BUSY_TIMEOUT_MS",
@@ -103,8 +143,11 @@ __all__ = [
     "WorkerOptions",
     "aio",
     "allocate",
+    "apply_retention",
     "attempts",
+    "audit_log",
     "backoff",
+    "bulk",
     "cancel",
     "claim",
     "claim_batch",
@@ -116,8 +159,10 @@ __all__ = [
     "get",
     "get_group",
     "get_limit",
+    "get_retention",
     "groups",
     "heartbeat",
+    "logs",
     "main",
     "pause_schedule",
     "propagate_trace_context",
@@ -126,11 +171,13 @@ __all__ = [
     "reclaim",
     "release",
     "resume_schedule",
+    "retention_policies",
     "retry",
     "schedule",
     "schedules",
     "set_group",
     "set_limit",
+    "set_retention",
     "signal",
     "stats",
     "submit",
@@ -156,6 +203,7 @@ from . import (
     limits,
     metrics,
     migrations,
+    ops,
     outcomes,
     policy,
     recurring,
@@ -169,7 +217,7 @@ from . import (
 
 #: The modules in import order: each imports only from those before it.
 _MODULES: tuple[types.ModuleType, ...] = (base, engines, schema, sql, fastpath, drivers, migrations, policy, validate,
-                                          claim_sql, limits, claiming, waits, outcomes, jobs, recurring, control, metrics, tracing, context, worker, asyncworker,
+                                          claim_sql, limits, claiming, waits, outcomes, jobs, recurring, control, ops, metrics, tracing, context, worker, asyncworker,
                                           cli)
 
 

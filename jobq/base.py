@@ -201,7 +201,8 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     thread, before the outcome is queued), "finalize_before_commit" (inside the finalize
     transaction), "finalized" (after it committed); prune's "prune_read" (a batch read without
     locks) and "prune_locked" (the batch locked and checked again, before its delete), both
-    inside its transaction (the race tests replace it); "unique_keys_read" (enqueue, submit and
+    inside its transaction (the race tests replace it); "retention_turn" (a worker took the
+    round of retention, before its batches); "unique_keys_read" (enqueue, submit and
     spawns with unique keys: the keys looked up, their holders locked, before the insert,
     inside its transaction; job_ids are the holders found); "suspend_checked" (a suspension
     waiting for a signal: the key's row locked and read, before the job is written) and

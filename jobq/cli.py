@@ -1,5 +1,5 @@
 """The command line (jobq, python -m jobq): init, enqueue, ls, get, why, stats, cancel, retry,
-prune, group, limit, worker and serve."""
+prune, group, limit, logs, retention, bulk, audit, worker and serve."""
 
 from __future__ import annotations
 
@@ -26,8 +26,19 @@ from .drivers import _missing_database_file, _prepare
 from .engines import _scheme_hint
 from .jobs import attempts, create_schema, enqueue, get
 from .limits import UNLIMITED, GlobalLimit, GroupPolicy, get_group, get_limit, groups, set_group, set_limit
+from .ops import (
+    BULK_ACTIONS,
+    RetentionPolicy,
+    apply_retention,
+    audit_log,
+    bulk,
+    get_retention,
+    logs,
+    retention_policies,
+    set_retention,
+)
 from .recurring import ScheduleInfo, pause_schedule, resume_schedule, schedule, schedules, unschedule
-from .schema import _LIVE, SCHEMA_VERSION, STATES, TERMINAL
+from .schema import _LIVE, LOG_LINES_PER_JOB, SCHEMA_VERSION, STATES, TERMINAL
 from .sql import (
     _q_child_ids,
     _q_dependent_ids,
@@ -573,6 +584,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("id", type=_job_id, nargs="?")
     p.add_argument("--all", action="store_true", help="the newest 500 jobs")
     p.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
+    _ops_parsers(add)
     p = sub.add_parser("worker", help="run a worker until SIGTERM", description="run a worker until SIGTERM/SIGINT",
                        parents=[common])
     p.add_argument("--app", required=True, metavar="MODULE:NAME", help="package.module:handlers (your own mapping)")
@@ -750,8 +762,107 @@ def _dashboard() -> Any:
     return module
 
 
+def _ops_parsers(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    # Operations (ops.py): job logs, retention policy, bulk actions and their audit log.
+    p = add("logs", "a job's log lines (ctx.log), oldest first")
+    p.add_argument("id", type=_job_id)
+    p.add_argument("--after", type=lambda t: _whole(t, LOG_LINES_PER_JOB), default=0, metavar="N",
+                   help="only lines numbered above N")
+    p = add("retention", "show the stored retention policy (how long finished jobs are kept), or set it")
+    p.add_argument("--group", metavar="KEY", help="a group's policy, overriding the global one (default: global)")
+    for state in TERMINAL:
+        p.add_argument(f"--{state}", type=_limit_or_none(_duration), metavar="DURATION|none",
+                       help=f"keep {state} jobs this long after they finished (e.g. 7d); none: remove")
+    p.add_argument("--apply", action="store_true", help="then delete now all that the policy no longer keeps")
+    p = add("bulk", "retry, cancel or prune every job matching a filter, in batches (recorded in the audit log)")
+    p.add_argument("action", choices=sorted(BULK_ACTIONS))
+    p.add_argument("--state", type=_states, action="extend", metavar="STATE[,STATE]",
+                   help="default: failed (retry), waiting,ready (cancel), done (prune)")
+    p.add_argument("--type")
+    p.add_argument("--group")
+    p.add_argument("--since", type=_duration, metavar="DURATION", help="created within, e.g. 1h")
+    p.add_argument("--until", type=_duration, metavar="DURATION", help="created more than DURATION ago")
+    p.add_argument("--error", metavar="TEXT", help="the job's error contains TEXT (ASCII case ignored)")
+    p.add_argument("--dry-run", action="store_true", help="print how many jobs match; change nothing")
+    p = add("audit", "the audit log of bulk actions, newest first")
+    p.add_argument("--limit", type=_count, default=50, help="most rows (default: 50)")
+
+
+def _retention_text(p: RetentionPolicy) -> str:
+    ages = ", ".join(f"{st} {_span(age.total_seconds())}" if age is not None else f"{st} kept"
+                     for st, age in (("done", p.done), ("failed", p.failed), ("cancelled", p.cancelled)))
+    if p.group_key is not None:
+        ages = ages.replace(" kept", " as global")
+    return f"retention {'group ' + p.group_key if p.group_key is not None else 'global'}: {ages}"
+
+
+def _run_ops(ns: argparse.Namespace, engine: Engine) -> int:
+    if ns.command == "logs":
+        _require_job(engine, ns.id)
+        lines = logs(engine, ns.id, after=ns.after)
+        if ns.json:
+            _print_json([dataclasses.asdict(line) for line in lines])
+        for line in [] if ns.json else lines:
+            fields = " " + json.dumps(line.fields, sort_keys=True, ensure_ascii=False) if line.fields else ""
+            print(f"{_iso(line.at)} attempt {line.attempt} #{line.seq}: {_text(line.message)}{fields}")
+        if not lines and not ns.json:
+            print(f"job {ns.id}: no log lines" + (f" after #{ns.after}" if ns.after else ""))
+    elif ns.command == "retention":
+        ages = {st: getattr(ns, st) for st in TERMINAL}
+        if any(v is not None for v in ages.values()):
+            policies = [set_retention(engine, ns.group, **ages)]
+        else:
+            policies = [get_retention(engine, ns.group)] if ns.group else retention_policies(engine) or [get_retention(engine)]
+        deleted = apply_retention(engine) if ns.apply else None
+        if ns.json:
+            _print_json({"policies": [{k: v.total_seconds() if isinstance(v, _dt.timedelta) else v
+                                       for k, v in dataclasses.asdict(p).items()} for p in policies], "deleted": deleted})
+        else:
+            print("\n".join(_retention_text(p) for p in policies) + ("" if deleted is None else f"\ndeleted {deleted} job(s)"))
+    elif ns.command == "bulk":
+        with engine.connect() as conn:
+            now = _prepare(engine).db_now(conn).replace(tzinfo=_dt.UTC)
+            conn.rollback()
+        r = bulk(engine, ns.action, states=ns.state, type=ns.type, group=ns.group, error=ns.error, dry_run=ns.dry_run,
+                 since=None if ns.since is None else now - ns.since, until=None if ns.until is None else now - ns.until,
+                 actor=_cli_actor())
+        if ns.json:
+            _print_json(dataclasses.asdict(r))
+        elif r.dry_run:
+            print(f"{r.matched} job(s) match: {ns.action} would apply to them (dry run, nothing changed)")
+        else:
+            print(f"{ns.action}: {r.applied} of {r.matched} matching job(s)" + (f", {r.skipped} skipped" if r.skipped else "")
+                  + (f", {r.reopened} re-opened in all" if ns.action == "retry" else ""))
+    elif ns.command == "audit":
+        entries = [dataclasses.asdict(e) for e in audit_log(engine, limit=ns.limit)]
+        if ns.json:
+            _print_json(entries)
+        else:
+            print(_table([{**e, "filter": json.dumps({k: v for k, v in e["filter"].items() if v is not None},
+                                                     sort_keys=True)} for e in entries],
+                         ["id", "at", "actor", "action", "count", "filter"]))
+    return 0
+
+
+def _cli_actor() -> str:
+    """Who runs a bulk action from the command line, for the audit log: cli:user@host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in this environment
+        user = "?"
+    return f"cli:{user}@{socket.gethostname()}"[:200]
+
+
+_OPS_COMMANDS = frozenset({"logs", "retention", "bulk", "audit"})
+
+
 def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str]) -> int:
     cmd = ns.command
+    if cmd in _OPS_COMMANDS:
+        return _run_ops(ns, engine)
     if cmd == "init":
         create_schema(engine)
         _print_json({"schema_version": SCHEMA_VERSION}) if ns.json else print("schema ready")

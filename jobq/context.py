@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import functools
+import json
 import os
 import signal as _os_signal
 import socket
@@ -27,6 +28,7 @@ from .drivers import _local_clock, _prepare
 from .jobs import _JOB_FIELD_NAMES, _ONE, _Plan, _plan
 from .outcomes import _ERROR_LIMIT
 from .policy import backoff
+from .schema import LOG_FIELDS_BYTES, LOG_MESSAGE_CHARS
 from .sql import _Outcome
 from .validate import (
     _MAX_DELAY,
@@ -84,6 +86,9 @@ class JobContext:
         #: Answers a wait (waits._wait_answer) for this dispatch: the worker's transaction, or a
         #: call through the pipe to it from a handler process.
         self._waits: Callable[[tuple[Any, ...]], tuple[str, Any]] | None = None
+        #: Writes one ctx.log line (the worker's _store_log, or a call through the pipe to it).
+        self._logger: Callable[[JobContext, str, Any], bool] | None = None
+        self._log_seq: int | None = None  # the job's last log line number, once read
         self._sleeps = 0  # ctx.sleep calls without a name in this dispatch: the next one's number
 
     @property
@@ -184,6 +189,44 @@ class JobContext:
         self._progress = _check_json({"done": done, "total": total, "message": message}, "progress")
         if self._report is not None:
             self._report(self._progress)
+
+    def log(self, message: str, **fields: Any) -> bool:
+        """Store a log line for this job, with this attempt's number and the time; read them
+        with :func:`jobq.logs`, ``jobq logs ID`` or the dashboard's job page.
+
+        One short transaction per line, of its own: it locks no job row (a claim never waits
+        for it) and is not fenced (a line written by a dispatch that lost its lease is kept,
+        with its attempt number). A job keeps at most ``LOG_LINES_PER_JOB`` (1000) lines over
+        all its attempts; later lines are refused: nothing is written and this returns False.
+        The lines are deleted with the job (:func:`jobq.prune`, retention). A handler that
+        never logs costs nothing. In an :class:`AsyncWorker`, call it without ``await``.
+
+        Args:
+            message: the line; longer than ``LOG_MESSAGE_CHARS`` (2000) characters, it is cut
+                to that length.
+            **fields: JSON values stored with the line (at most ``LOG_FIELDS_BYTES``, 4096
+                bytes as JSON).
+
+        Returns:
+            True when the line was stored, False when the job already has its limit of lines.
+
+        Raises:
+            InvalidJob: ``message`` is not a string, or a field is not JSON within the limits
+                (NUL characters, lone surrogates, NaN...); nothing is written.
+            JobqError: not the context a worker passed to a handler.
+        """
+        if not isinstance(message, str):
+            raise InvalidJob(f"ctx.log message must be a string, got {_type_name(message)}")
+        message = _check_json(message[:LOG_MESSAGE_CHARS], "log message")
+        stored: Any = None
+        if fields:
+            stored = _check_json(fields, "log fields")
+            size = len(json.dumps(stored, allow_nan=False, separators=(",", ":")).encode("utf-8"))
+            if size > LOG_FIELDS_BYTES:
+                raise InvalidJob(f"log fields: {size} bytes as JSON, more than LOG_FIELDS_BYTES={LOG_FIELDS_BYTES}")
+        if self._logger is None:
+            raise JobqError("ctx.log needs the context a Worker passes to its handler")
+        return self._logger(self, message, stored)
 
     def enqueue(self, type: str, args: Mapping[str, Any] | None = None, **kw: Any) -> int:
         """Spawn a job that exists only if this dispatch's result commits.
@@ -488,6 +531,7 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
     ctx._spawner = functools.partial(_pipe_spawn, conn)
     ctx._read_upstream = functools.partial(_upstream_through_pipe, conn)
     ctx._waits = functools.partial(_pipe_wait, conn)
+    ctx._logger = functools.partial(_log_through_pipe, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
@@ -504,6 +548,15 @@ def _upstream_through_pipe(conn: Any, ctx: JobContext) -> dict[int, Any]:
     if kind != "ok":
         raise JobqError(value)
     return value  # type: ignore[no-any-return]
+
+
+def _log_through_pipe(conn: Any, ctx: JobContext, message: str, fields: Any) -> bool:
+    # In a handler process: the parent writes the line (it holds the connections).
+    conn.send(("log", (message, fields)))
+    kind, value = conn.recv()
+    if kind != "ok":
+        raise JobqError(value)
+    return bool(value)
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:

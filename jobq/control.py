@@ -36,6 +36,7 @@ from .sql import (
     _q_delete_attempts,
     _q_delete_edges,
     _q_delete_jobs,
+    _q_delete_logs,
     _q_delete_signals,
     _q_delete_waits,
     _q_downstream,
@@ -375,7 +376,8 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
     and (for a container) while any of its children remains. Each batch is one short
     transaction found through the finished-rows index, so the cost follows what is
     deleted, not the size of the history. A job re-opened meanwhile (:func:`retry`) is never
-    deleted: each batch is locked and checked again before its delete.
+    deleted: each batch is locked and checked again before its delete. A job goes with its
+    edges, its attempt history, its waits and its log lines (``ctx.log``).
 
     Then the signals (:func:`jobq.signal`): a signal sent more than ``older_than`` ago (a key
     only awaited, never sent: made that long ago) is deleted unless an unfinished job has
@@ -390,28 +392,43 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
     if bad:
         raise ConfigError(f"prune: only finished states can be pruned, not {bad}")
     _check_int(batch, "batch", 1, 100_000, ConfigError)
+    total = _prune_batches(engine, states, older_than, batch, now=now)
+    _prune_signals(engine, older_than, batch, now)
+    return total
+
+
+def _prune_batches(engine: Engine, states: Sequence[str], older_than: _dt.timedelta, batch: int, *,
+                   now: _dt.datetime | None = None, extra: Sequence[Any] = (), most: int | None = None) -> int:
+    """prune's deletion, shared by retention and bulk prune: batches of at most ``batch`` jobs,
+    each one short transaction (read without locks, lock and re-check, delete the job with its
+    edges, attempts, waits and logs), until none is left or ``most`` batches ran. ``extra``:
+    more WHERE terms on jobs. Two callers at once delete each job once: the second one's
+    locked re-check no longer finds it."""
     total = 0
-    while True:
+    runs = 0
+    while most is None or runs < most:
+        runs += 1
 
         def one(conn: Connection, d: _Dialect) -> int:
             cutoff = (now or d.db_now(conn)) - older_than
-            read = list(conn.execute(_q_prunable(states, cutoff, batch)).scalars())
+            read = list(conn.execute(_q_prunable(states, cutoff, batch, extra)).scalars())
             _checkpoint("prune_read", read)
             # The read took no locks: what it found may have been re-opened (retry) since.
-            ids = list(conn.execute(_q_lock_prunable(d, read, states, cutoff)).scalars()) if read else []
+            ids = list(conn.execute(_q_lock_prunable(d, read, states, cutoff, extra)).scalars()) if read else []
             _checkpoint("prune_locked", ids)
             if ids:
                 conn.execute(_q_delete_edges(ids))
                 conn.execute(_q_delete_attempts(ids))
                 conn.execute(_q_delete_waits(ids))
+                conn.execute(_q_delete_logs(ids))
                 conn.execute(_q_delete_jobs(ids))
             return len(ids)
 
         n = _transaction(engine, one)
         total += n
         if n == 0:  # a short batch may have freed containers whose children it deleted: go again
-            _prune_signals(engine, older_than, batch, now)
             return total
+    return total
 
 
 def _prune_signals(engine: Engine, older_than: _dt.timedelta, batch: int, now: _dt.datetime | None) -> int:
@@ -437,6 +454,7 @@ def _prune_signals(engine: Engine, older_than: _dt.timedelta, batch: int, now: _
                 logger.info("jobq prune: deleted %d signal(s) nobody can still receive", total,
                             extra={"action": "prune_signals"})
             return total
+    return total
 
 
 # ---- why --------------------------------------------------------------------------------------

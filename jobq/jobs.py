@@ -17,7 +17,7 @@ from .fastpath import _hot_rows
 from .migrations import _Q_META_ROWS, _Q_SEED_META, _upgrade
 from .outcomes import _settle
 from .policy import _check_waits_for, _topological
-from .schema import _CLAIM_LOCK_KEY, _GLOBAL_LIMITS_KEY, SCHEMA_VERSION, TERMINAL, Base
+from .schema import _CLAIM_LOCK_KEY, _GLOBAL_LIMITS_KEY, _RETENTION_DUE_KEY, SCHEMA_VERSION, TERMINAL, Base
 from .sql import (
     _BAD,
     _Q_INSERT_DEPS,
@@ -155,7 +155,8 @@ def create_schema(engine: Engine) -> None:
             {"key": k, "value": v}
             # A database made before global_limits existed gets its row here: a seed, not a
             # schema change, so no version of its own (set_limit also adds it when missing).
-            for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, ""), (_GLOBAL_LIMITS_KEY, ""))
+            for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, ""), (_GLOBAL_LIMITS_KEY, ""),
+                         (_RETENTION_DUE_KEY, ""))
             if k not in have
         ]
         if rows:

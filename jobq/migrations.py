@@ -105,7 +105,8 @@ def _step_6(conn: Connection, d: _Dialect) -> None:
 def _step_7(conn: Connection, d: _Dialect) -> None:
     """6 -> 7: jobs.trace_parent, the enqueuing span's trace context (nullable, no default: an
     instant change of the table's definition on every engine, no rewrite); recurring jobs
-    (jobq_schedules), a new table made by create_all before any step; jobs.max_attempts_set,
+    (jobq_schedules), per-job logs (jobq_logs), retention policy (jobq_retention) and the audit
+    log of bulk actions (jobq_audit), new tables made by create_all before any step; jobs.max_attempts_set,
     whether enqueue was given max_attempts (a RetryPolicy's attempts apply only where it was
     not; existing rows read false, as before this step)."""
     columns = {c["name"] for c in sa.inspect(conn).get_columns("jobs")}
@@ -237,5 +238,6 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
     (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
     (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context); jobq_schedules (recurring jobs); "
-                 "jobs.max_attempts_set (an enqueue's max_attempts wins over a RetryPolicy)"),
+                 "jobs.max_attempts_set (an enqueue's max_attempts wins over a RetryPolicy); "
+                 "jobq_logs, jobq_retention and jobq_audit (job logs, retention policy, bulk actions)"),
 )

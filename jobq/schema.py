@@ -1,5 +1,5 @@
-"""The tables (jobs, job_deps, jobq_meta, the start log, the attempt history) and their indexes,
-as SQLAlchemy metadata: what create_schema creates."""
+"""The tables (jobs, job_deps, jobq_meta, the start log, the attempt history, job logs, retention
+policy, the audit log) and their indexes, as SQLAlchemy metadata: what create_schema creates."""
 
 from __future__ import annotations
 
@@ -345,6 +345,59 @@ _schedules = sa.Table(
     **_table_options(),
 )
 
+# A handler's log lines (ctx.log, schema 7): one row per line, numbered per job (``seq`` from 1)
+# across its attempts. Written in a short transaction of its own that locks no job row (the
+# claim never reads this table); at most LOG_LINES_PER_JOB per job. Deleted with the job by
+# prune; no foreign key, as jobq_attempts.
+_logs = sa.Table(
+    "jobq_logs",
+    Base.metadata,
+    sa.Column("job_id", _ID, primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("at", _TS, nullable=False),
+    sa.Column("message", _TEXT, nullable=False),
+    sa.Column("fields", _JSONCOL, nullable=True),
+    **_table_options(),
+)
+
+# Retention policy (schema 7): how long finished jobs are kept, in seconds per terminal state
+# (NULL: kept until pruned by hand). One row per scope: "" for every group, else a group key
+# whose row overrides the global one for the states it sets. Applied by the workers
+# (ops.apply_retention), one at a time through the jobq_meta row _RETENTION_DUE_KEY.
+_retention = sa.Table(
+    "jobq_retention",
+    Base.metadata,
+    sa.Column("scope", _NAME, primary_key=True),
+    sa.Column("done_s", sa.Float, nullable=True),
+    sa.Column("failed_s", sa.Float, nullable=True),
+    sa.Column("cancelled_s", sa.Float, nullable=True),
+    sa.Column("updated_at", _TS, nullable=False),
+    **_table_options(),
+)
+
+# The audit log of bulk actions (schema 7): who did what to which filter, and how many jobs
+# it touched. Written once per action, after its last batch.
+_audit = sa.Table(
+    "jobq_audit",
+    Base.metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("at", _TS, nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("action", sa.String(16), nullable=False),
+    sa.Column("filter", _JSONCOL, nullable=False),
+    sa.Column("count", sa.Integer, nullable=False),
+    sa.Index("ix_jobq_audit_at", "at"),
+    **_table_options(),
+)
+
+#: Most log lines one job keeps (ctx.log): later lines are refused (ctx.log returns False).
+LOG_LINES_PER_JOB = 1000
+#: Most characters of one log line's message; a longer one is cut to this length.
+LOG_MESSAGE_CHARS = 2000
+#: Most bytes of one log line's fields, as JSON.
+LOG_FIELDS_BYTES = 4096
+
 #: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes
 #: it due. stats() leaves it out of ``next_scheduled``.
 _NEVER = _dt.datetime(9999, 12, 30)
@@ -381,6 +434,9 @@ _CLAIM_LOCK_KEY = "claim_lock"
 #: The jobq_meta row holding the global limits (set_limit), as JSON; "" until first set. It
 #: sorts after claim_lock: every statement that locks both locks them in key order.
 _GLOBAL_LIMITS_KEY = "global_limits"
+#: The jobq_meta row naming when retention is next due (ISO 8601, naive UTC): the worker whose
+#: update moves it forward applies the policy for that round, no other.
+_RETENTION_DUE_KEY = "retention_due"
 
 
 def _parent_fk_ddl(*, dialect: sa.Dialect, **kw: Any) -> bool:

@@ -25,11 +25,14 @@ from .schema import (
     _TS,
     TERMINAL,
     _attempts,
+    _audit,
     _c,
     _deps,
     _groups,
     _jobs,
+    _logs,
     _meta,
+    _retention,
     _schedules,
     _signals,
     _slots,
@@ -1079,7 +1082,8 @@ def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
 # ---- prune ------------------------------------------------------------------------------------
 
 
-def _prunable(states: Sequence[str], cutoff: _dt.datetime) -> list[sa.ColumnElement[bool]]:
+def _prunable(states: Sequence[str], cutoff: _dt.datetime,
+              extra: Sequence[sa.ColumnElement[bool]] = ()) -> list[sa.ColumnElement[bool]]:
     """A finished job older than ``cutoff`` that nothing still needs: no unfinished dependent,
     no unfinished container, no remaining child. prune's read and its locked re-check share it."""
     dependent = sa.alias(_jobs, "dependent")
@@ -1093,21 +1097,34 @@ def _prunable(states: Sequence[str], cutoff: _dt.datetime) -> list[sa.ColumnElem
                            dependent.c.state.not_in(TERMINAL)),
         ~sa.exists().where(parent.c.id == _c.parent_id, parent.c.state.not_in(TERMINAL)),
         ~sa.exists().where(child.c.parent_id == _c.id),
+        *extra,
     ]
 
 
-def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
+def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int,
+                extra: Sequence[sa.ColumnElement[bool]] = ()) -> sa.Select[Any]:
     """A batch of prunable jobs, oldest first, without locks. Found through ix_jobs_finished
-    (keep in sync)."""
-    return sa.select(_c.id).where(*_prunable(states, cutoff)).order_by(_c.finished_at).limit(batch)
+    (keep in sync). ``extra``: more terms (retention's groups, a bulk filter)."""
+    return sa.select(_c.id).where(*_prunable(states, cutoff, extra)).order_by(_c.finished_at).limit(batch)
 
 
-def _q_lock_prunable(d: _Dialect, ids: Sequence[int], states: Sequence[str], cutoff: _dt.datetime) -> sa.Select[Any]:
+def _group_terms(only: Sequence[str] | None, besides: Sequence[str]) -> list[sa.ColumnElement[bool]]:
+    """Retention's groups: those in ``only`` (None: any), less those in ``besides``."""
+    terms: list[sa.ColumnElement[bool]] = []
+    if only is not None:
+        terms.append(_c.group_key.in_(only))
+    if besides:
+        terms.append(_c.group_key.not_in(besides))
+    return terms
+
+
+def _q_lock_prunable(d: _Dialect, ids: Sequence[int], states: Sequence[str], cutoff: _dt.datetime,
+                     extra: Sequence[sa.ColumnElement[bool]] = ()) -> sa.Select[Any]:
     """The jobs of a batch _q_prunable read that are still prunable, locked in id order until
     they are deleted: a retry that re-opened one after the read (and committed) is seen here
     (a locking read sees the latest committed row, at READ COMMITTED on every server), and one
     that comes later waits for the delete and finds no job."""
-    return d.lock_wait(sa.select(_c.id).where(_c.id.in_(ids), *_prunable(states, cutoff)).order_by(_c.id))
+    return d.lock_wait(sa.select(_c.id).where(_c.id.in_(ids), *_prunable(states, cutoff, extra)).order_by(_c.id))
 
 
 def _q_delete_edges(ids: Sequence[int]) -> sa.Delete:
@@ -1120,6 +1137,102 @@ def _q_delete_attempts(ids: Sequence[int]) -> sa.Delete:
 
 def _q_delete_jobs(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_jobs).where(_c.id.in_(ids))
+
+
+def _q_delete_logs(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_logs).where(_logs.c.job_id.in_(ids))
+
+
+# ---- job logs, retention, bulk actions, audit (ops.py) -----------------------------------------
+
+
+def _q_last_log_seq(job_id: int) -> sa.Select[Any]:
+    """The job's last log line number (None before its first): read through the primary key."""
+    return sa.select(sa.func.max(_logs.c.seq)).where(_logs.c.job_id == job_id)
+
+
+def _q_insert_log(job_id: int, seq: int, attempt: int, at: _dt.datetime, message: str, fields: Any) -> sa.Insert:
+    return sa.insert(_logs).values(job_id=job_id, seq=seq, attempt=attempt, at=at, message=message, fields=fields)
+
+
+def _q_logs(job_id: int, after: int, limit: int) -> sa.Select[Any]:
+    lc = _logs.c
+    return (sa.select(lc.seq, lc.attempt, lc.at, lc.message, lc.fields)
+            .where(lc.job_id == job_id, lc.seq > after).order_by(lc.seq).limit(limit))
+
+
+def _q_retention_rows() -> sa.Select[Any]:
+    rc = _retention.c
+    return sa.select(rc.scope, rc.done_s, rc.failed_s, rc.cancelled_s, rc.updated_at).order_by(rc.scope)
+
+
+def _q_retention_row(scope: str) -> sa.Select[Any]:
+    rc = _retention.c
+    return sa.select(rc.scope, rc.done_s, rc.failed_s, rc.cancelled_s, rc.updated_at).where(rc.scope == scope)
+
+
+def _q_insert_retention(scope: str, values: Mapping[str, Any]) -> sa.Insert:
+    return sa.insert(_retention).values(scope=scope, **values)
+
+
+def _q_update_retention(scope: str, values: Mapping[str, Any]) -> sa.Update:
+    return sa.update(_retention).where(_retention.c.scope == scope).values(**values)
+
+
+def _q_delete_retention(scope: str) -> sa.Delete:
+    return sa.delete(_retention).where(_retention.c.scope == scope)
+
+
+def _q_take_meta_turn(key: str, now: str, until: str) -> sa.Update:
+    """Move a jobq_meta row holding a time (ISO text) to ``until`` if it is not after ``now``:
+    the one transaction whose update counts a row has the turn. ISO times of one format sort
+    as text."""
+    return sa.update(_meta).where(_meta.c.key == key, _meta.c.value <= now).values(value=until)
+
+
+def _q_meta_value(key: str) -> sa.Select[Any]:
+    return sa.select(_meta.c.value).where(_meta.c.key == key)
+
+
+def _q_insert_meta(key: str, value: str) -> sa.Insert:
+    return sa.insert(_meta).values(key=key, value=value)
+
+
+def _filter_terms(f: Any) -> list[sa.ColumnElement[bool]]:
+    """A bulk filter (ops.JobFilter) as WHERE terms on jobs."""
+    terms: list[sa.ColumnElement[bool]] = [_state_is(*f.states)]
+    if f.type is not None:
+        terms.append(_c.type == f.type)
+    if f.group is not None:
+        terms.append(_c.group_key == f.group)
+    if f.since is not None:
+        terms.append(_c.created_at >= f.since)
+    if f.until is not None:
+        terms.append(_c.created_at < f.until)
+    if f.error is not None:
+        # Case-insensitive (ASCII letters at least) on every engine: SQLite's LIKE folds case
+        # and the others' does not. '/' escapes: a backslash means something else in MySQL.
+        pattern = "%" + f.error.lower().replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
+        terms.append(sa.func.lower(_c.error).like(pattern, escape="/"))
+    return terms
+
+
+def _q_filter_ids(f: Any, after: int, batch: int) -> sa.Select[Any]:
+    """The next ``batch`` ids matching a bulk filter, in id order after ``after``; no locks."""
+    return sa.select(_c.id).where(_c.id > after, *_filter_terms(f)).order_by(_c.id).limit(batch)
+
+
+def _q_filter_count(f: Any) -> sa.Select[Any]:
+    return sa.select(sa.func.count()).select_from(_jobs).where(*_filter_terms(f))
+
+
+def _q_insert_audit(at: _dt.datetime, actor: str, action: str, filter: Any, count: int) -> sa.Insert:
+    return sa.insert(_audit).values(at=at, actor=actor, action=action, filter=filter, count=count)
+
+
+def _q_audit(limit: int) -> sa.Select[Any]:
+    ac = _audit.c
+    return sa.select(ac.id, ac.at, ac.actor, ac.action, ac.filter, ac.count).order_by(ac.id.desc()).limit(limit)
 
 
 # ---- signals and waits (waits.py) ------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from .base import ConfigError, Event, InvalidJob, JobqError, LeaseLost, _checkpoint, _chunks, _emit, _Unwind, logger
@@ -45,9 +46,11 @@ from .context import (
 )
 from .drivers import _T, _Dialect, _listen_supported, _listener_connection, _prepare, _transaction
 from .jobs import _DEFAULT_ATTEMPTS, _Hold, _Plan, _spawn
+from .ops import RETENTION_INTERVAL, _retention_turn
 from .outcomes import _ERROR_LIMIT, _SWEEP_LIMIT, _SWEEP_SECONDS, _apply_outcomes, _heartbeat_rows, _reclaim_rows
 from .policy import backoff
 from .recurring import _SCHEDULE_POLL, _fire_due
+from .schema import LOG_LINES_PER_JOB
 from .sql import (
     _Q_FREE_SLOT,
     _Outcome,
@@ -55,6 +58,8 @@ from .sql import (
     _q_busy_or_due,
     _q_checkpoint,
     _q_hold_slots,
+    _q_insert_log,
+    _q_last_log_seq,
     _q_progress,
     _q_reclaimed,
     _q_renew_held_slots,
@@ -101,6 +106,7 @@ class _WorkerCore:
         self._hb_thread: threading.Thread | None = None
         self._db_failures = 0
         self._last_sweep = -math.inf  # the first tick sweeps
+        self._next_retention = time.monotonic()  # the first tick tries for the round of retention
         # Reclaim runs on a cadence, not on every tick: an expired lease waits at most this long
         # (plus a tick) for a live worker's sweep, and a busy worker saves a statement per tick.
         self._sweep_every: float = min(self.options.lease_ttl / 4, _SWEEP_SECONDS)
@@ -347,10 +353,23 @@ class _WorkerCore:
             started = self._tick()
             if self._db_failures == failures:
                 self._db_failures = 0  # a clean tick: the database is back
+            if time.monotonic() >= self._next_retention:
+                self._retention()
             return started
         except _DB_FAULTS as exc:
             self._db_error(exc)
             return 0
+
+    def _retention(self) -> None:
+        """After a tick, once per RETENTION_INTERVAL: this worker's try for the round of
+        retention (ops._retention_turn), which one worker across all of them takes."""
+        self._next_retention = time.monotonic() + RETENTION_INTERVAL
+        if self._stopping.is_set():
+            return
+        deleted = _retention_turn(self.engine, RETENTION_INTERVAL)
+        if deleted:
+            logger.info("worker %s: retention deleted %d finished job(s)", self.worker_id, deleted,
+                        extra={"action": "retention", "worker_id": self.worker_id})
 
     def _idle_in_db(self) -> bool:
         """Idle: nothing of this worker's types is due (``ready`` with ``run_after`` passed),
@@ -371,10 +390,12 @@ class _WorkerCore:
         now = time.monotonic()
         save = self._save_checkpoint  # one bound method for the claim, not one per job
         upstream = self._read_upstream
+        log = self._store_log
         for lease in leases:
             ctx = JobContext(lease, self)
             ctx._save = save
             ctx._read_upstream = upstream
+            ctx._logger = log
             timeout = lease.timeout if lease.timeout is not None else self.options.timeout
             run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now, self)
             ctx._spawner = run
@@ -400,6 +421,33 @@ class _WorkerCore:
         """ctx.upstream, on first access: one short read in the handler's thread (or, for a
         handler process, in its parent's handler thread). Unfenced: done results never change."""
         return _transaction(self.engine, lambda conn, d: {i: r for i, r in conn.execute(_q_upstream_results(ctx.id))})
+
+    def _store_log(self, ctx: JobContext, message: str, fields: Any) -> bool:
+        """ctx.log: one short transaction that inserts the job's next line (no job row locked,
+        not fenced). The line number is read once per dispatch, then counted here; a clash
+        with another writer of the same job (a zombie dispatch) reads it again."""
+        if ctx._log_seq is not None and ctx._log_seq >= LOG_LINES_PER_JOB:
+            return False
+        at = self._clock.now()
+        for clash in (False, True):
+            def write(conn: Connection, d: _Dialect) -> tuple[int, bool]:
+                seq = ctx._log_seq
+                if seq is None:
+                    seq = conn.execute(_q_last_log_seq(ctx.id)).scalar() or 0
+                if seq >= LOG_LINES_PER_JOB:
+                    return seq, False
+                conn.execute(_q_insert_log(ctx.id, seq + 1, ctx.attempt, at, message, fields))
+                return seq + 1, True
+
+            try:
+                ctx._log_seq, stored = _transaction(self.engine, write)
+            except sa.exc.IntegrityError:
+                if clash:
+                    raise
+                ctx._log_seq = None  # read the number again
+                continue
+            return stored
+        return False  # pragma: no cover - the loop returns or raises
 
     def _store_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> None:
         """ctx.checkpoint: one short transaction, fenced by the dispatch's lease."""
@@ -1148,6 +1196,9 @@ class Worker(_WorkerCore):
                     elif msg[0] == "upstream":
                         recv.send(self._upstream_answer(run))
                         msg = None
+                    elif msg[0] == "log":
+                        recv.send(self._log_answer(run, *msg[1]))
+                        msg = None
                     elif msg[0] == "wait":
                         recv.send(self._wait_answer_for_child(run, msg[1]))
                         msg = None
@@ -1180,6 +1231,12 @@ class Worker(_WorkerCore):
             return "lost", str(exc)
         except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
             return "error", f"checkpoint not stored: {_one_line(exc)}"
+    def _log_answer(self, run: _Running, message: str, fields: Any) -> tuple[str, Any]:
+        try:
+            return "ok", self._store_log(run.ctx, message, fields)
+        except Exception as exc:  # noqa: BLE001 - raised in the handler process as a JobqError
+            return "error", f"ctx.log line not stored: {_one_line(exc)}"
+
     def _upstream_answer(self, run: _Running) -> tuple[str, Any]:
         try:
             return "ok", self._read_upstream(run.ctx)

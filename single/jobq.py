@@ -12,7 +12,7 @@ PyMySQL, ...) is your choice.
 Layout: the public surface is ``__all__`` below; the modules of this package are internal and
 import in one direction, in this order: base (errors, events) -> engines -> schema -> sql ->
 fastpath -> drivers -> migrations -> policy -> validate -> claim_sql -> limits -> claiming ->
-waits -> outcomes -> jobs -> recurring -> control -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
+waits -> outcomes -> jobs -> recurring -> control -> ops -> metrics -> tracing -> context -> worker -> asyncworker -> cli.
 
 Guarantees, in three lines:
   * at-least-once: a job whose worker dies is reclaimed when its lease expires and runs again;
@@ -59,7 +59,10 @@ __all__ = [
     "ATTEMPT_OUTCOMES",
     "AsyncWorker",
     "AttemptInfo",
+    "AuditEntry",
+    "BULK_ACTIONS",
     "Base",
+    "BulkResult",
     "CLAIM_WINDOW",
     "ClaimedId",
     "ConfigError",
@@ -73,8 +76,12 @@ __all__ = [
     "JobDep",
     "JobInfo",
     "JobqError",
+    "LOG_FIELDS_BYTES",
+    "LOG_LINES_PER_JOB",
+    "LOG_MESSAGE_CHARS",
     "Lease",
     "LeaseLost",
+    "LogLine",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_NAME_LENGTH",
@@ -82,6 +89,10 @@ __all__ = [
     "MetricsCollector",
     "NoRetry",
     "PG_NOTIFY_CHANNEL",
+    "RETENTION_BATCH",
+    "RETENTION_BATCHES",
+    "RETENTION_INTERVAL",
+    "RetentionPolicy",
     "RetryPolicy",
     "SCHEMA_VERSION",
     "SQLITE_BUSY_TIMEOUT_MS",
@@ -99,8 +110,11 @@ __all__ = [
     "WorkerOptions",
     "aio",
     "allocate",
+    "apply_retention",
     "attempts",
+    "audit_log",
     "backoff",
+    "bulk",
     "cancel",
     "claim",
     "claim_batch",
@@ -112,8 +126,10 @@ __all__ = [
     "get",
     "get_group",
     "get_limit",
+    "get_retention",
     "groups",
     "heartbeat",
+    "logs",
     "main",
     "pause_schedule",
     "propagate_trace_context",
@@ -122,11 +138,13 @@ __all__ = [
     "reclaim",
     "release",
     "resume_schedule",
+    "retention_policies",
     "retry",
     "schedule",
     "schedules",
     "set_group",
     "set_limit",
+    "set_retention",
     "signal",
     "stats",
     "submit",
@@ -331,7 +349,8 @@ def _checkpoint(point: str, job_ids: Sequence[int] = ()) -> None:
     thread, before the outcome is queued), "finalize_before_commit" (inside the finalize
     transaction), "finalized" (after it committed); prune's "prune_read" (a batch read without
     locks) and "prune_locked" (the batch locked and checked again, before its delete), both
-    inside its transaction (the race tests replace it); "unique_keys_read" (enqueue, submit and
+    inside its transaction (the race tests replace it); "retention_turn" (a worker took the
+    round of retention, before its batches); "unique_keys_read" (enqueue, submit and
     spawns with unique keys: the keys looked up, their holders locked, before the insert,
     inside its transaction; job_ids are the holders found); "suspend_checked" (a suspension
     waiting for a signal: the key's row locked and read, before the job is written) and
@@ -773,8 +792,8 @@ _TEXT = _column_type("text", sa.Text())
 # ==============================================================================================
 # jobq/schema.py
 # ==============================================================================================
-# The tables (jobs, job_deps, jobq_meta, the start log, the attempt history) and their indexes,
-# as SQLAlchemy metadata: what create_schema creates.
+# The tables (jobs, job_deps, jobq_meta, the start log, the attempt history, job logs, retention
+# policy, the audit log) and their indexes, as SQLAlchemy metadata: what create_schema creates.
 
 # Two tables carry the queue (`jobs`, `job_deps`) and one small table (`jobq_meta`) holds the
 # schema version and the row the capped claim locks. Times are naive UTC with microseconds on
@@ -1109,6 +1128,59 @@ _schedules = sa.Table(
     **_table_options(),
 )
 
+# A handler's log lines (ctx.log, schema 7): one row per line, numbered per job (``seq`` from 1)
+# across its attempts. Written in a short transaction of its own that locks no job row (the
+# claim never reads this table); at most LOG_LINES_PER_JOB per job. Deleted with the job by
+# prune; no foreign key, as jobq_attempts.
+_logs = sa.Table(
+    "jobq_logs",
+    Base.metadata,
+    sa.Column("job_id", _ID, primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("at", _TS, nullable=False),
+    sa.Column("message", _TEXT, nullable=False),
+    sa.Column("fields", _JSONCOL, nullable=True),
+    **_table_options(),
+)
+
+# Retention policy (schema 7): how long finished jobs are kept, in seconds per terminal state
+# (NULL: kept until pruned by hand). One row per scope: "" for every group, else a group key
+# whose row overrides the global one for the states it sets. Applied by the workers
+# (ops.apply_retention), one at a time through the jobq_meta row _RETENTION_DUE_KEY.
+_retention = sa.Table(
+    "jobq_retention",
+    Base.metadata,
+    sa.Column("scope", _NAME, primary_key=True),
+    sa.Column("done_s", sa.Float, nullable=True),
+    sa.Column("failed_s", sa.Float, nullable=True),
+    sa.Column("cancelled_s", sa.Float, nullable=True),
+    sa.Column("updated_at", _TS, nullable=False),
+    **_table_options(),
+)
+
+# The audit log of bulk actions (schema 7): who did what to which filter, and how many jobs
+# it touched. Written once per action, after its last batch.
+_audit = sa.Table(
+    "jobq_audit",
+    Base.metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("at", _TS, nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("action", sa.String(16), nullable=False),
+    sa.Column("filter", _JSONCOL, nullable=False),
+    sa.Column("count", sa.Integer, nullable=False),
+    sa.Index("ix_jobq_audit_at", "at"),
+    **_table_options(),
+)
+
+#: Most log lines one job keeps (ctx.log): later lines are refused (ctx.log returns False).
+LOG_LINES_PER_JOB = 1000
+#: Most characters of one log line's message; a longer one is cut to this length.
+LOG_MESSAGE_CHARS = 2000
+#: Most bytes of one log line's fields, as JSON.
+LOG_FIELDS_BYTES = 4096
+
 #: run_after of a job that waits for a signal with no timeout (waits.py): only the signal makes
 #: it due. stats() leaves it out of ``next_scheduled``.
 _NEVER = _dt.datetime(9999, 12, 30)
@@ -1145,6 +1217,9 @@ _CLAIM_LOCK_KEY = "claim_lock"
 #: The jobq_meta row holding the global limits (set_limit), as JSON; "" until first set. It
 #: sorts after claim_lock: every statement that locks both locks them in key order.
 _GLOBAL_LIMITS_KEY = "global_limits"
+#: The jobq_meta row naming when retention is next due (ISO 8601, naive UTC): the worker whose
+#: update moves it forward applies the policy for that round, no other.
+_RETENTION_DUE_KEY = "retention_due"
 
 
 def _parent_fk_ddl(*, dialect: sa.Dialect, **kw: Any) -> bool:
@@ -2197,7 +2272,8 @@ def _q_reclaim(ids: list[int], now: _dt.datetime, *, dead: bool) -> sa.Update:
 # ---- prune ------------------------------------------------------------------------------------
 
 
-def _prunable(states: Sequence[str], cutoff: _dt.datetime) -> list[sa.ColumnElement[bool]]:
+def _prunable(states: Sequence[str], cutoff: _dt.datetime,
+              extra: Sequence[sa.ColumnElement[bool]] = ()) -> list[sa.ColumnElement[bool]]:
     """A finished job older than ``cutoff`` that nothing still needs: no unfinished dependent,
     no unfinished container, no remaining child. prune's read and its locked re-check share it."""
     dependent = sa.alias(_jobs, "dependent")
@@ -2211,21 +2287,34 @@ def _prunable(states: Sequence[str], cutoff: _dt.datetime) -> list[sa.ColumnElem
                            dependent.c.state.not_in(TERMINAL)),
         ~sa.exists().where(parent.c.id == _c.parent_id, parent.c.state.not_in(TERMINAL)),
         ~sa.exists().where(child.c.parent_id == _c.id),
+        *extra,
     ]
 
 
-def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int) -> sa.Select[Any]:
+def _q_prunable(states: Sequence[str], cutoff: _dt.datetime, batch: int,
+                extra: Sequence[sa.ColumnElement[bool]] = ()) -> sa.Select[Any]:
     """A batch of prunable jobs, oldest first, without locks. Found through ix_jobs_finished
-    (keep in sync)."""
-    return sa.select(_c.id).where(*_prunable(states, cutoff)).order_by(_c.finished_at).limit(batch)
+    (keep in sync). ``extra``: more terms (retention's groups, a bulk filter)."""
+    return sa.select(_c.id).where(*_prunable(states, cutoff, extra)).order_by(_c.finished_at).limit(batch)
 
 
-def _q_lock_prunable(d: _Dialect, ids: Sequence[int], states: Sequence[str], cutoff: _dt.datetime) -> sa.Select[Any]:
+def _group_terms(only: Sequence[str] | None, besides: Sequence[str]) -> list[sa.ColumnElement[bool]]:
+    """Retention's groups: those in ``only`` (None: any), less those in ``besides``."""
+    terms: list[sa.ColumnElement[bool]] = []
+    if only is not None:
+        terms.append(_c.group_key.in_(only))
+    if besides:
+        terms.append(_c.group_key.not_in(besides))
+    return terms
+
+
+def _q_lock_prunable(d: _Dialect, ids: Sequence[int], states: Sequence[str], cutoff: _dt.datetime,
+                     extra: Sequence[sa.ColumnElement[bool]] = ()) -> sa.Select[Any]:
     """The jobs of a batch _q_prunable read that are still prunable, locked in id order until
     they are deleted: a retry that re-opened one after the read (and committed) is seen here
     (a locking read sees the latest committed row, at READ COMMITTED on every server), and one
     that comes later waits for the delete and finds no job."""
-    return d.lock_wait(sa.select(_c.id).where(_c.id.in_(ids), *_prunable(states, cutoff)).order_by(_c.id))
+    return d.lock_wait(sa.select(_c.id).where(_c.id.in_(ids), *_prunable(states, cutoff, extra)).order_by(_c.id))
 
 
 def _q_delete_edges(ids: Sequence[int]) -> sa.Delete:
@@ -2238,6 +2327,102 @@ def _q_delete_attempts(ids: Sequence[int]) -> sa.Delete:
 
 def _q_delete_jobs(ids: Sequence[int]) -> sa.Delete:
     return sa.delete(_jobs).where(_c.id.in_(ids))
+
+
+def _q_delete_logs(ids: Sequence[int]) -> sa.Delete:
+    return sa.delete(_logs).where(_logs.c.job_id.in_(ids))
+
+
+# ---- job logs, retention, bulk actions, audit (ops.py) -----------------------------------------
+
+
+def _q_last_log_seq(job_id: int) -> sa.Select[Any]:
+    """The job's last log line number (None before its first): read through the primary key."""
+    return sa.select(sa.func.max(_logs.c.seq)).where(_logs.c.job_id == job_id)
+
+
+def _q_insert_log(job_id: int, seq: int, attempt: int, at: _dt.datetime, message: str, fields: Any) -> sa.Insert:
+    return sa.insert(_logs).values(job_id=job_id, seq=seq, attempt=attempt, at=at, message=message, fields=fields)
+
+
+def _q_logs(job_id: int, after: int, limit: int) -> sa.Select[Any]:
+    lc = _logs.c
+    return (sa.select(lc.seq, lc.attempt, lc.at, lc.message, lc.fields)
+            .where(lc.job_id == job_id, lc.seq > after).order_by(lc.seq).limit(limit))
+
+
+def _q_retention_rows() -> sa.Select[Any]:
+    rc = _retention.c
+    return sa.select(rc.scope, rc.done_s, rc.failed_s, rc.cancelled_s, rc.updated_at).order_by(rc.scope)
+
+
+def _q_retention_row(scope: str) -> sa.Select[Any]:
+    rc = _retention.c
+    return sa.select(rc.scope, rc.done_s, rc.failed_s, rc.cancelled_s, rc.updated_at).where(rc.scope == scope)
+
+
+def _q_insert_retention(scope: str, values: Mapping[str, Any]) -> sa.Insert:
+    return sa.insert(_retention).values(scope=scope, **values)
+
+
+def _q_update_retention(scope: str, values: Mapping[str, Any]) -> sa.Update:
+    return sa.update(_retention).where(_retention.c.scope == scope).values(**values)
+
+
+def _q_delete_retention(scope: str) -> sa.Delete:
+    return sa.delete(_retention).where(_retention.c.scope == scope)
+
+
+def _q_take_meta_turn(key: str, now: str, until: str) -> sa.Update:
+    """Move a jobq_meta row holding a time (ISO text) to ``until`` if it is not after ``now``:
+    the one transaction whose update counts a row has the turn. ISO times of one format sort
+    as text."""
+    return sa.update(_meta).where(_meta.c.key == key, _meta.c.value <= now).values(value=until)
+
+
+def _q_meta_value(key: str) -> sa.Select[Any]:
+    return sa.select(_meta.c.value).where(_meta.c.key == key)
+
+
+def _q_insert_meta(key: str, value: str) -> sa.Insert:
+    return sa.insert(_meta).values(key=key, value=value)
+
+
+def _filter_terms(f: Any) -> list[sa.ColumnElement[bool]]:
+    """A bulk filter (ops.JobFilter) as WHERE terms on jobs."""
+    terms: list[sa.ColumnElement[bool]] = [_state_is(*f.states)]
+    if f.type is not None:
+        terms.append(_c.type == f.type)
+    if f.group is not None:
+        terms.append(_c.group_key == f.group)
+    if f.since is not None:
+        terms.append(_c.created_at >= f.since)
+    if f.until is not None:
+        terms.append(_c.created_at < f.until)
+    if f.error is not None:
+        # Case-insensitive (ASCII letters at least) on every engine: SQLite's LIKE folds case
+        # and the others' does not. '/' escapes: a backslash means something else in MySQL.
+        pattern = "%" + f.error.lower().replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
+        terms.append(sa.func.lower(_c.error).like(pattern, escape="/"))
+    return terms
+
+
+def _q_filter_ids(f: Any, after: int, batch: int) -> sa.Select[Any]:
+    """The next ``batch`` ids matching a bulk filter, in id order after ``after``; no locks."""
+    return sa.select(_c.id).where(_c.id > after, *_filter_terms(f)).order_by(_c.id).limit(batch)
+
+
+def _q_filter_count(f: Any) -> sa.Select[Any]:
+    return sa.select(sa.func.count()).select_from(_jobs).where(*_filter_terms(f))
+
+
+def _q_insert_audit(at: _dt.datetime, actor: str, action: str, filter: Any, count: int) -> sa.Insert:
+    return sa.insert(_audit).values(at=at, actor=actor, action=action, filter=filter, count=count)
+
+
+def _q_audit(limit: int) -> sa.Select[Any]:
+    ac = _audit.c
+    return sa.select(ac.id, ac.at, ac.actor, ac.action, ac.filter, ac.count).order_by(ac.id.desc()).limit(limit)
 
 
 # ---- signals and waits (waits.py) ------------------------------------------------------------
@@ -3589,7 +3774,8 @@ def _step_6(conn: Connection, d: _Dialect) -> None:
 def _step_7(conn: Connection, d: _Dialect) -> None:
     """6 -> 7: jobs.trace_parent, the enqueuing span's trace context (nullable, no default: an
     instant change of the table's definition on every engine, no rewrite); recurring jobs
-    (jobq_schedules), a new table made by create_all before any step; jobs.max_attempts_set,
+    (jobq_schedules), per-job logs (jobq_logs), retention policy (jobq_retention) and the audit
+    log of bulk actions (jobq_audit), new tables made by create_all before any step; jobs.max_attempts_set,
     whether enqueue was given max_attempts (a RetryPolicy's attempts apply only where it was
     not; existing rows read false, as before this step)."""
     columns = {c["name"] for c in sa.inspect(conn).get_columns("jobs")}
@@ -3721,7 +3907,8 @@ _MIGRATIONS: tuple[tuple[int, Callable[[Connection, _Dialect], None], str], ...]
     (5, _step_5, "the due index; re-keyed indexes; no parent key on MySQL; AUTOINCREMENT on SQLite"),
     (6, _step_6, "jobq_signals and jobq_waits (signals, durable sleep, snooze)"),
     (7, _step_7, "jobs.trace_parent (OpenTelemetry trace context); jobq_schedules (recurring jobs); "
-                 "jobs.max_attempts_set (an enqueue's max_attempts wins over a RetryPolicy)"),
+                 "jobs.max_attempts_set (an enqueue's max_attempts wins over a RetryPolicy); "
+                 "jobq_logs, jobq_retention and jobq_audit (job logs, retention policy, bulk actions)"),
 )
 
 
@@ -6385,7 +6572,8 @@ def create_schema(engine: Engine) -> None:
             {"key": k, "value": v}
             # A database made before global_limits existed gets its row here: a seed, not a
             # schema change, so no version of its own (set_limit also adds it when missing).
-            for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, ""), (_GLOBAL_LIMITS_KEY, ""))
+            for k, v in (("schema_version", str(SCHEMA_VERSION)), (_CLAIM_LOCK_KEY, ""), (_GLOBAL_LIMITS_KEY, ""),
+                         (_RETENTION_DUE_KEY, ""))
             if k not in have
         ]
         if rows:
@@ -7734,7 +7922,8 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
     and (for a container) while any of its children remains. Each batch is one short
     transaction found through the finished-rows index, so the cost follows what is
     deleted, not the size of the history. A job re-opened meanwhile (:func:`retry`) is never
-    deleted: each batch is locked and checked again before its delete.
+    deleted: each batch is locked and checked again before its delete. A job goes with its
+    edges, its attempt history, its waits and its log lines (``ctx.log``).
 
     Then the signals (:func:`jobq.signal`): a signal sent more than ``older_than`` ago (a key
     only awaited, never sent: made that long ago) is deleted unless an unfinished job has
@@ -7749,28 +7938,43 @@ def prune(engine: Engine, older_than: _dt.timedelta, *, states: Sequence[str] = 
     if bad:
         raise ConfigError(f"prune: only finished states can be pruned, not {bad}")
     _check_int(batch, "batch", 1, 100_000, ConfigError)
+    total = _prune_batches(engine, states, older_than, batch, now=now)
+    _prune_signals(engine, older_than, batch, now)
+    return total
+
+
+def _prune_batches(engine: Engine, states: Sequence[str], older_than: _dt.timedelta, batch: int, *,
+                   now: _dt.datetime | None = None, extra: Sequence[Any] = (), most: int | None = None) -> int:
+    """prune's deletion, shared by retention and bulk prune: batches of at most ``batch`` jobs,
+    each one short transaction (read without locks, lock and re-check, delete the job with its
+    edges, attempts, waits and logs), until none is left or ``most`` batches ran. ``extra``:
+    more WHERE terms on jobs. Two callers at once delete each job once: the second one's
+    locked re-check no longer finds it."""
     total = 0
-    while True:
+    runs = 0
+    while most is None or runs < most:
+        runs += 1
 
         def one(conn: Connection, d: _Dialect) -> int:
             cutoff = (now or d.db_now(conn)) - older_than
-            read = list(conn.execute(_q_prunable(states, cutoff, batch)).scalars())
+            read = list(conn.execute(_q_prunable(states, cutoff, batch, extra)).scalars())
             _checkpoint("prune_read", read)
             # The read took no locks: what it found may have been re-opened (retry) since.
-            ids = list(conn.execute(_q_lock_prunable(d, read, states, cutoff)).scalars()) if read else []
+            ids = list(conn.execute(_q_lock_prunable(d, read, states, cutoff, extra)).scalars()) if read else []
             _checkpoint("prune_locked", ids)
             if ids:
                 conn.execute(_q_delete_edges(ids))
                 conn.execute(_q_delete_attempts(ids))
                 conn.execute(_q_delete_waits(ids))
+                conn.execute(_q_delete_logs(ids))
                 conn.execute(_q_delete_jobs(ids))
             return len(ids)
 
         n = _transaction(engine, one)
         total += n
         if n == 0:  # a short batch may have freed containers whose children it deleted: go again
-            _prune_signals(engine, older_than, batch, now)
             return total
+    return total
 
 
 def _prune_signals(engine: Engine, older_than: _dt.timedelta, batch: int, now: _dt.datetime | None) -> int:
@@ -7796,6 +8000,7 @@ def _prune_signals(engine: Engine, older_than: _dt.timedelta, batch: int, now: _
                 logger.info("jobq prune: deleted %d signal(s) nobody can still receive", total,
                             extra={"action": "prune_signals"})
             return total
+    return total
 
 
 # ---- why --------------------------------------------------------------------------------------
@@ -8119,6 +8324,419 @@ def _progress_text(p: Any) -> str:
     if isinstance(total, (int, float)):
         text += f"/{total:g}" + (f" ({100 * done / total:.0f}%)" if total and isinstance(done, (int, float)) else "")
     return text + (f": {message}" if message else "")
+
+
+# ==============================================================================================
+# jobq/ops.py
+# ==============================================================================================
+# Operating a queue: per-job log lines (written by ``ctx.log``, read by :func:`logs`), retention by
+# stored policy (applied by the workers), bulk actions by filter with their audit log.
+
+# ---- job logs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLine:
+    """One line a handler stored with ``ctx.log``, as :func:`logs` returns it.
+
+    Attributes:
+        job_id: the job.
+        seq: the line's number within the job, from 1, in the order the lines were written.
+        attempt: the attempt that wrote it.
+        at: when (aware UTC, the worker's reading of the database clock).
+        message: the text (at most ``LOG_MESSAGE_CHARS`` characters).
+        fields: the keyword arguments given to ``ctx.log`` (a dict; None without any).
+    """
+
+    job_id: int
+    seq: int
+    attempt: int
+    at: _dt.datetime
+    message: str
+    fields: dict[str, Any] | None
+
+
+def logs(engine: Engine, job_id: int, *, after: int = 0, limit: int | None = None) -> list[LogLine]:
+    """A job's log lines, oldest first (empty for an unknown job, or one that never logged).
+
+    Args:
+        engine: an Engine.
+        job_id: the job's id.
+        after: only lines numbered above this (to page, or to follow a running job).
+        limit: most lines returned (1 .. 100,000; default: LOG_LINES_PER_JOB, all a job keeps).
+
+    Raises:
+        InvalidJob: ``job_id`` is not a job id.
+        ConfigError: ``after`` or ``limit`` out of range.
+    """
+    job_id = _as_id(job_id, "job_id")
+    after = _check_int(after, "after", 0, 2**31 - 1, ConfigError)
+    limit = _check_int(LOG_LINES_PER_JOB if limit is None else limit, "limit", 1, 100_000, ConfigError)
+    _prepare(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(_q_logs(job_id, after, limit)).all()
+        conn.rollback()
+    return [LogLine(job_id, r.seq, r.attempt, r.at.replace(tzinfo=_dt.UTC), r.message, r.fields) for r in rows]
+
+
+# ---- retention by policy ----------------------------------------------------------------------
+# The policy is rows of jobq_retention: "" holds the global ages, a group's row overrides them
+# for the states it sets. Workers apply it (_retention_turn) on a cadence: the one whose update
+# of the jobq_meta row retention_due moves it forward has the round, and deletes through
+# prune's batches (control._prune_batches), a few short transactions, then stops until the next.
+
+#: Seconds between two rounds of retention, across all workers.
+RETENTION_INTERVAL = 60.0
+#: Jobs deleted per transaction, and transactions per round, when workers apply retention.
+RETENTION_BATCH = 500
+RETENTION_BATCHES = 4
+#: The shortest age a retention policy may keep a finished job.
+_MIN_RETENTION = _dt.timedelta(minutes=1)
+_STATE_COLUMNS = {"done": "done_s", "failed": "failed_s", "cancelled": "cancelled_s"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPolicy:
+    """How long finished jobs are kept, as stored by :func:`set_retention`.
+
+    Attributes:
+        group_key: the group this row is for; None for the global policy (every group without
+            its own value for a state).
+        done, failed, cancelled: how long after it finished a job in that state is kept
+            (a timedelta), or None: kept until pruned by hand.
+        updated_at: when it was last set (aware UTC); None for a policy never stored.
+    """
+
+    group_key: str | None
+    done: _dt.timedelta | None
+    failed: _dt.timedelta | None
+    cancelled: _dt.timedelta | None
+    updated_at: _dt.datetime | None
+
+
+def _retention_of(row: Any, group_key: str | None) -> RetentionPolicy:
+    if row is None:
+        return RetentionPolicy(group_key, None, None, None, None)
+    ages = [None if v is None else _dt.timedelta(seconds=v) for v in (row.done_s, row.failed_s, row.cancelled_s)]
+    return RetentionPolicy(group_key, ages[0], ages[1], ages[2], row.updated_at.replace(tzinfo=_dt.UTC))
+
+
+def set_retention(engine: Engine, group_key: str | None = None, *, done: Any = None, failed: Any = None,
+                  cancelled: Any = None) -> RetentionPolicy:
+    """Store how long finished jobs are kept; the workers apply it (see :func:`apply_retention`).
+
+    Arguments left None keep their stored value; :data:`UNLIMITED` removes one. Without an
+    age, the global policy keeps jobs in that state until pruned by hand; a group without its
+    own age for a state follows the global one. A group's age for a state overrides the
+    global one for that group's jobs, longer or shorter (to keep a group's jobs for good
+    while the global policy deletes, give it a long age, such as ten years). ``jobq.prune``
+    still deletes by hand, whatever the policy.
+
+    Args:
+        engine: an Engine.
+        group_key: a group, or None for the global policy.
+        done, failed, cancelled: a timedelta of at least one minute (and at most MAX_TIMEDELTA),
+            or :data:`UNLIMITED`.
+
+    Returns:
+        The policy as stored.
+
+    Raises:
+        ConfigError: a bad age or group; nothing is written.
+    """
+    scope = "" if group_key is None else _check_name(group_key, "group_key")
+    new: dict[str, Any] = {}
+    for state, value in (("done", done), ("failed", failed), ("cancelled", cancelled)):
+        if value is UNLIMITED:
+            new[_STATE_COLUMNS[state]] = None
+        elif value is not None:
+            age = _check_age(value, f"retention {state}")
+            if age < _MIN_RETENTION:
+                raise ConfigError(f"retention {state}: {age} is shorter than {_MIN_RETENTION} (the least kept)")
+            new[_STATE_COLUMNS[state]] = age.total_seconds()
+
+    def write(conn: Connection, d: _Dialect) -> Any:
+        now = d.db_now(conn)
+        if conn.execute(_q_update_retention(scope, {**new, "updated_at": now})).rowcount == 0:
+            conn.execute(_q_insert_retention(scope, {**new, "updated_at": now}))
+        return conn.execute(_q_retention_row(scope)).first()
+
+    return _retention_of(_transaction(engine, write), group_key)
+
+
+def get_retention(engine: Engine, group_key: str | None = None) -> RetentionPolicy:
+    """The stored retention policy of a group (None: the global one); all None if never set.
+
+    Raises:
+        ConfigError: a bad group name.
+    """
+    scope = "" if group_key is None else _check_name(group_key, "group_key")
+    _prepare(engine)
+    with engine.connect() as conn:
+        row = conn.execute(_q_retention_row(scope)).first()
+        conn.rollback()
+    return _retention_of(row, group_key)
+
+
+def retention_policies(engine: Engine) -> list[RetentionPolicy]:
+    """Every stored retention policy: the global one first (if stored), then groups by name."""
+    _prepare(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(_q_retention_rows()).all()
+        conn.rollback()
+    return [_retention_of(r, r.scope or None) for r in rows]
+
+
+def apply_retention(engine: Engine, *, batch: int = RETENTION_BATCH, most: int | None = None,
+                    now: _dt.datetime | None = None) -> int:
+    """Delete the finished jobs the stored policy no longer keeps, now, through prune's batches
+    (each one short transaction; a job something still needs is kept, as :func:`prune` keeps it).
+
+    Workers call this on their own, one worker per ``RETENTION_INTERVAL`` across all of them,
+    with ``most=RETENTION_BATCHES``; call it yourself to catch up at once. Two calls at once
+    delete each job once.
+
+    Args:
+        batch: jobs per transaction (1 .. 100,000).
+        most: transactions per (state, scope) at most; None: until nothing is left.
+
+    Returns:
+        How many jobs were deleted.
+    """
+    batch = _check_int(batch, "batch", 1, 100_000, ConfigError)
+    if most is not None:
+        most = _check_int(most, "most", 1, 1_000_000, ConfigError)
+    policies = retention_policies(engine)
+    base = next((p for p in policies if p.group_key is None), None)
+    groups = [p for p in policies if p.group_key is not None]
+    total = 0
+    for state in TERMINAL:
+        own: dict[_dt.timedelta, list[str]] = {}
+        for p in groups:
+            age = getattr(p, state)
+            if age is not None:
+                own.setdefault(age, []).append(p.group_key)  # type: ignore[arg-type]
+        for age, keys in sorted(own.items()):
+            for chunk in _chunks(sorted(keys)):
+                total += _prune_batches(engine, (state,), age, batch, now=now, most=most,
+                                        extra=_group_terms(list(chunk), ()))
+        gage = getattr(base, state) if base is not None else None
+        if gage is not None:
+            besides = sorted(k for keys in own.values() for k in keys)
+            total += _prune_batches(engine, (state,), gage, batch, now=now, most=most, extra=_group_terms(None, besides))
+    return total
+
+
+def _retention_turn(engine: Engine, interval: float = RETENTION_INTERVAL) -> int | None:
+    """A worker's share of retention: take the round if it is due (one UPDATE of one jobq_meta
+    row; the worker whose update counts has it, no other), then apply the policy for at most
+    RETENTION_BATCHES transactions per state and scope. Returns what was deleted, or None when
+    another worker has the round."""
+
+    def take(conn: Connection, d: _Dialect) -> bool:
+        now = d.db_now(conn)
+        until = now + _dt.timedelta(seconds=interval)
+        return bool(conn.execute(_q_take_meta_turn(_RETENTION_DUE_KEY, _turn_text(now), _turn_text(until))).rowcount)
+
+    if not _transaction(engine, take):
+        return None
+    _checkpoint("retention_turn")
+    return apply_retention(engine, most=RETENTION_BATCHES)
+
+
+def _turn_text(t: _dt.datetime) -> str:
+    """A time as jobq_meta's retention row holds it: fixed-width ISO text, which sorts as time."""
+    return t.replace(tzinfo=None).isoformat(timespec="microseconds")
+
+
+# ---- bulk actions by filter, and their audit log ----------------------------------------------
+# A bulk action reads the matching ids in batches (id order, no locks) and applies the one-job
+# operation to each (control.retry, control.cancel: each its own short transaction, with every
+# fence and DAG rule of the single call), or prune's batches for prune. A job that changed
+# between the read and its turn is skipped (retry refuses a job no longer failed; cancel leaves
+# a finished job as it is). Each action that ran is one row of jobq_audit.
+
+#: The actions :func:`bulk` takes, with the states each may touch and the default.
+BULK_ACTIONS = {"retry": (("failed", "cancelled"), ("failed",)),
+                "cancel": (("waiting", "ready", "leased", "running", "held"), ("waiting", "ready")),
+                "prune": (TERMINAL, ("done",))}
+
+
+@dataclasses.dataclass(frozen=True)
+class BulkResult:
+    """What :func:`bulk` did.
+
+    Attributes:
+        action: "retry", "cancel" or "prune".
+        matched: jobs that matched the filter when the action began (the ``--dry-run`` count).
+        applied: jobs retried, cancelled (or asked to stop, if running) or deleted; 0 for a
+            dry run.
+        skipped: matched jobs left alone: changed meanwhile, refused by the one-job rules (a
+            retry whose upstream is still failed), or kept by prune because something needs them.
+        reopened: for retry, every job re-opened, dependents and containers included.
+        dry_run: True when nothing was changed.
+    """
+
+    action: str
+    matched: int
+    applied: int
+    skipped: int
+    reopened: int
+    dry_run: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditEntry:
+    """One bulk action, as :func:`audit_log` returns it: ``at`` (aware UTC), ``actor`` (who),
+    ``action``, ``filter`` (the filter as JSON: states, type, group, since, until, error) and
+    ``count`` (jobs it applied to)."""
+
+    id: int
+    at: _dt.datetime
+    actor: str
+    action: str
+    filter: dict[str, Any]
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Filter:
+    states: tuple[str, ...]
+    type: str | None
+    group: str | None
+    since: _dt.datetime | None
+    until: _dt.datetime | None
+    error: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"states": list(self.states), "type": self.type, "group": self.group, "error": self.error,
+                "since": None if self.since is None else _turn_text(self.since) + "Z",
+                "until": None if self.until is None else _turn_text(self.until) + "Z"}
+
+
+def _bulk_filter(action: str, states: Any, type: Any, group: Any, since: Any, until: Any, error: Any) -> _Filter:
+    if action not in BULK_ACTIONS:
+        raise ConfigError(f"bulk: action must be one of {sorted(BULK_ACTIONS)}, got {action!r}")
+    allowed, default = BULK_ACTIONS[action]
+    if states is None:
+        states = default
+    if isinstance(states, str) or not isinstance(states, (list, tuple)) or not states:
+        raise ConfigError(f"bulk {action}: states must be a non-empty list of states, got {states!r}")
+    bad = [s for s in states if s not in allowed]
+    if bad:
+        done = {"retry": "retried", "cancel": "cancelled", "prune": "pruned"}[action]
+        raise ConfigError(f"bulk {action}: only jobs in {', '.join(allowed)} can be {done}, not {bad}")
+    times = []
+    for value, what in ((since, "since"), (until, "until")):
+        try:
+            times.append(None if value is None else _to_db_time(value, f"bulk {what}"))
+        except InvalidJob as exc:
+            raise ConfigError(str(exc)) from None
+    if times[0] is not None and times[1] is not None and times[0] >= times[1]:
+        raise ConfigError(f"bulk {action}: since ({since}) must be before until ({until})")
+    if error is not None and (not isinstance(error, str) or not 1 <= len(error) <= 200 or "\x00" in error):
+        raise ConfigError(f"bulk {action}: error must be text of 1 to 200 characters (no NUL), got {error!r}")
+    names = [None if v is None else _config_name(v, f"bulk {what}") for v, what in ((type, "type"), (group, "group"))]
+    return _Filter(tuple(dict.fromkeys(states)), names[0], names[1], times[0], times[1], error)
+
+
+def _config_name(value: Any, what: str) -> str:
+    try:
+        return _check_name(value, what)
+    except InvalidJob as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def bulk(engine: Engine, action: str, *, states: Sequence[str] | None = None, type: str | None = None,
+         group: str | None = None, since: _dt.datetime | None = None, until: _dt.datetime | None = None,
+         error: str | None = None, dry_run: bool = False, actor: str = "api", batch: int = 500) -> BulkResult:
+    """Retry, cancel or prune every job that matches a filter, in bounded batches.
+
+    The filter's terms all apply: ``states``, the job ``type``, the ``group``, created in
+    [``since``, ``until``) and ``error`` (text the job's current error contains, ignoring the
+    case of ASCII letters). ``retry`` and ``cancel`` apply :func:`jobq.retry` /
+    :func:`jobq.cancel` to each matching job in turn, each its own short transaction, so every
+    rule of the single call holds: a retried job re-opens the dependents it closed, a cancelled
+    job closes its dependents, a running job is asked to stop and ends cancelled. ``prune``
+    deletes as :func:`jobq.prune` does (whatever the age), keeping jobs something still needs.
+    A job that changed since the filter read it is skipped. Each action that ran (not a dry
+    run) is recorded in the audit log (:func:`audit_log`).
+
+    Args:
+        action: "retry", "cancel" or "prune".
+        states: the states to match; each action takes only its own (retry: failed,
+            cancelled; cancel: waiting, ready, leased, running, held; prune: done, failed,
+            cancelled). Default: failed; waiting and ready; done.
+        type, group: exact names.
+        since, until: aware datetimes bounding the jobs' creation time.
+        error: 1-200 characters.
+        dry_run: count the matching jobs, change nothing, record nothing.
+        actor: who asks (recorded in the audit log), 1-200 characters.
+        batch: ids read per batch (1 .. 10,000).
+
+    Returns:
+        A :class:`BulkResult`.
+
+    Raises:
+        ConfigError: a bad action or filter (one line, saying which); nothing is changed.
+    """
+    f = _bulk_filter(action, states, type, group, since, until, error)
+    actor = _config_name(actor, "actor")
+    batch = _check_int(batch, "batch", 1, 10_000, ConfigError)
+    if not isinstance(dry_run, bool):
+        raise ConfigError(f"bulk {action}: dry_run must be True or False, got {dry_run!r}")
+    _prepare(engine)
+    with engine.connect() as conn:
+        matched = int(conn.execute(_q_filter_count(f)).scalar() or 0)
+        conn.rollback()
+    if dry_run:
+        return BulkResult(action, matched, 0, 0, 0, True)
+    applied = reopened = 0
+    if action == "prune":
+        applied = _prune_batches(engine, f.states, _dt.timedelta(0), batch, extra=_filter_terms(f))
+    else:
+        after = 0
+        while True:
+            with engine.connect() as conn:
+                ids = list(conn.execute(_q_filter_ids(f, after, batch)).scalars())
+                conn.rollback()
+            if not ids:
+                break
+            after = ids[-1]
+            for jid in ids:
+                _checkpoint("bulk_one", jid)
+                try:
+                    if action == "retry":
+                        reopened += len(retry(engine, jid))
+                        applied += 1
+                    elif cancel(engine, jid) not in ("done", "failed"):  # finished meanwhile: skipped
+                        applied += 1
+                except InvalidJob:
+                    pass  # changed meanwhile, deleted, or refused by the one-job rules: skipped
+    skipped = max(0, matched - applied)
+
+    def record(conn: Connection, d: _Dialect) -> None:
+        conn.execute(_q_insert_audit(d.db_now(conn), actor, action, f.as_json(), applied))
+
+    _transaction(engine, record)
+    logger.info("bulk %s by %s: %d of %d matching job(s)", action, actor, applied, matched,
+                extra={"action": f"bulk_{action}"})
+    return BulkResult(action, matched, applied, skipped, reopened, False)
+
+
+def audit_log(engine: Engine, *, limit: int = 100) -> list[AuditEntry]:
+    """The newest bulk actions first (at most ``limit``, 1 .. 10,000).
+
+    Raises:
+        ConfigError: a bad limit.
+    """
+    limit = _check_int(limit, "limit", 1, 10_000, ConfigError)
+    _prepare(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(_q_audit(limit)).all()
+        conn.rollback()
+    return [AuditEntry(m["id"], m["at"].replace(tzinfo=_dt.UTC), m["actor"], m["action"], m["filter"], m["count"])
+            for m in (r._mapping for r in rows)]
 
 
 # ==============================================================================================
@@ -8470,6 +9088,9 @@ class JobContext:
         #: Answers a wait (waits._wait_answer) for this dispatch: the worker's transaction, or a
         #: call through the pipe to it from a handler process.
         self._waits: Callable[[tuple[Any, ...]], tuple[str, Any]] | None = None
+        #: Writes one ctx.log line (the worker's _store_log, or a call through the pipe to it).
+        self._logger: Callable[[JobContext, str, Any], bool] | None = None
+        self._log_seq: int | None = None  # the job's last log line number, once read
         self._sleeps = 0  # ctx.sleep calls without a name in this dispatch: the next one's number
 
     @property
@@ -8570,6 +9191,44 @@ class JobContext:
         self._progress = _check_json({"done": done, "total": total, "message": message}, "progress")
         if self._report is not None:
             self._report(self._progress)
+
+    def log(self, message: str, **fields: Any) -> bool:
+        """Store a log line for this job, with this attempt's number and the time; read them
+        with :func:`jobq.logs`, ``jobq logs ID`` or the dashboard's job page.
+
+        One short transaction per line, of its own: it locks no job row (a claim never waits
+        for it) and is not fenced (a line written by a dispatch that lost its lease is kept,
+        with its attempt number). A job keeps at most ``LOG_LINES_PER_JOB`` (1000) lines over
+        all its attempts; later lines are refused: nothing is written and this returns False.
+        The lines are deleted with the job (:func:`jobq.prune`, retention). A handler that
+        never logs costs nothing. In an :class:`AsyncWorker`, call it without ``await``.
+
+        Args:
+            message: the line; longer than ``LOG_MESSAGE_CHARS`` (2000) characters, it is cut
+                to that length.
+            **fields: JSON values stored with the line (at most ``LOG_FIELDS_BYTES``, 4096
+                bytes as JSON).
+
+        Returns:
+            True when the line was stored, False when the job already has its limit of lines.
+
+        Raises:
+            InvalidJob: ``message`` is not a string, or a field is not JSON within the limits
+                (NUL characters, lone surrogates, NaN...); nothing is written.
+            JobqError: not the context a worker passed to a handler.
+        """
+        if not isinstance(message, str):
+            raise InvalidJob(f"ctx.log message must be a string, got {_type_name(message)}")
+        message = _check_json(message[:LOG_MESSAGE_CHARS], "log message")
+        stored: Any = None
+        if fields:
+            stored = _check_json(fields, "log fields")
+            size = len(json.dumps(stored, allow_nan=False, separators=(",", ":")).encode("utf-8"))
+            if size > LOG_FIELDS_BYTES:
+                raise InvalidJob(f"log fields: {size} bytes as JSON, more than LOG_FIELDS_BYTES={LOG_FIELDS_BYTES}")
+        if self._logger is None:
+            raise JobqError("ctx.log needs the context a Worker passes to its handler")
+        return self._logger(self, message, stored)
 
     def enqueue(self, type: str, args: Mapping[str, Any] | None = None, **kw: Any) -> int:
         """Spawn a job that exists only if this dispatch's result commits.
@@ -8874,6 +9533,7 @@ def _process_main(watch: Callable[[Any], None], handler: Callable[[JobContext], 
     ctx._spawner = functools.partial(_pipe_spawn, conn)
     ctx._read_upstream = functools.partial(_upstream_through_pipe, conn)
     ctx._waits = functools.partial(_pipe_wait, conn)
+    ctx._logger = functools.partial(_log_through_pipe, conn)
     try:
         value = handler(ctx)
         conn.send(("ok", value))
@@ -8890,6 +9550,15 @@ def _upstream_through_pipe(conn: Any, ctx: JobContext) -> dict[int, Any]:
     if kind != "ok":
         raise JobqError(value)
     return value  # type: ignore[no-any-return]
+
+
+def _log_through_pipe(conn: Any, ctx: JobContext, message: str, fields: Any) -> bool:
+    # In a handler process: the parent writes the line (it holds the connections).
+    conn.send(("log", (message, fields)))
+    kind, value = conn.recv()
+    if kind != "ok":
+        raise JobqError(value)
+    return bool(value)
 
 
 def _checkpoint_through_pipe(conn: Any, ctx: JobContext, state: dict[str, Any]) -> None:
@@ -9154,6 +9823,7 @@ class _WorkerCore:
         self._hb_thread: threading.Thread | None = None
         self._db_failures = 0
         self._last_sweep = -math.inf  # the first tick sweeps
+        self._next_retention = time.monotonic()  # the first tick tries for the round of retention
         # Reclaim runs on a cadence, not on every tick: an expired lease waits at most this long
         # (plus a tick) for a live worker's sweep, and a busy worker saves a statement per tick.
         self._sweep_every: float = min(self.options.lease_ttl / 4, _SWEEP_SECONDS)
@@ -9400,10 +10070,23 @@ class _WorkerCore:
             started = self._tick()
             if self._db_failures == failures:
                 self._db_failures = 0  # a clean tick: the database is back
+            if time.monotonic() >= self._next_retention:
+                self._retention()
             return started
         except _DB_FAULTS as exc:
             self._db_error(exc)
             return 0
+
+    def _retention(self) -> None:
+        """After a tick, once per RETENTION_INTERVAL: this worker's try for the round of
+        retention (ops._retention_turn), which one worker across all of them takes."""
+        self._next_retention = time.monotonic() + RETENTION_INTERVAL
+        if self._stopping.is_set():
+            return
+        deleted = _retention_turn(self.engine, RETENTION_INTERVAL)
+        if deleted:
+            logger.info("worker %s: retention deleted %d finished job(s)", self.worker_id, deleted,
+                        extra={"action": "retention", "worker_id": self.worker_id})
 
     def _idle_in_db(self) -> bool:
         """Idle: nothing of this worker's types is due (``ready`` with ``run_after`` passed),
@@ -9424,10 +10107,12 @@ class _WorkerCore:
         now = time.monotonic()
         save = self._save_checkpoint  # one bound method for the claim, not one per job
         upstream = self._read_upstream
+        log = self._store_log
         for lease in leases:
             ctx = JobContext(lease, self)
             ctx._save = save
             ctx._read_upstream = upstream
+            ctx._logger = log
             timeout = lease.timeout if lease.timeout is not None else self.options.timeout
             run = _Running(lease, ctx, now, None if timeout is None else now + timeout, now, self)
             ctx._spawner = run
@@ -9453,6 +10138,33 @@ class _WorkerCore:
         """ctx.upstream, on first access: one short read in the handler's thread (or, for a
         handler process, in its parent's handler thread). Unfenced: done results never change."""
         return _transaction(self.engine, lambda conn, d: {i: r for i, r in conn.execute(_q_upstream_results(ctx.id))})
+
+    def _store_log(self, ctx: JobContext, message: str, fields: Any) -> bool:
+        """ctx.log: one short transaction that inserts the job's next line (no job row locked,
+        not fenced). The line number is read once per dispatch, then counted here; a clash
+        with another writer of the same job (a zombie dispatch) reads it again."""
+        if ctx._log_seq is not None and ctx._log_seq >= LOG_LINES_PER_JOB:
+            return False
+        at = self._clock.now()
+        for clash in (False, True):
+            def write(conn: Connection, d: _Dialect) -> tuple[int, bool]:
+                seq = ctx._log_seq
+                if seq is None:
+                    seq = conn.execute(_q_last_log_seq(ctx.id)).scalar() or 0
+                if seq >= LOG_LINES_PER_JOB:
+                    return seq, False
+                conn.execute(_q_insert_log(ctx.id, seq + 1, ctx.attempt, at, message, fields))
+                return seq + 1, True
+
+            try:
+                ctx._log_seq, stored = _transaction(self.engine, write)
+            except sa.exc.IntegrityError:
+                if clash:
+                    raise
+                ctx._log_seq = None  # read the number again
+                continue
+            return stored
+        return False  # pragma: no cover - the loop returns or raises
 
     def _store_checkpoint(self, ctx: JobContext, state: dict[str, Any]) -> None:
         """ctx.checkpoint: one short transaction, fenced by the dispatch's lease."""
@@ -10201,6 +10913,9 @@ class Worker(_WorkerCore):
                     elif msg[0] == "upstream":
                         recv.send(self._upstream_answer(run))
                         msg = None
+                    elif msg[0] == "log":
+                        recv.send(self._log_answer(run, *msg[1]))
+                        msg = None
                     elif msg[0] == "wait":
                         recv.send(self._wait_answer_for_child(run, msg[1]))
                         msg = None
@@ -10233,6 +10948,12 @@ class Worker(_WorkerCore):
             return "lost", str(exc)
         except Exception as exc:  # noqa: BLE001 - the handler's checkpoint() raises it
             return "error", f"checkpoint not stored: {_one_line(exc)}"
+    def _log_answer(self, run: _Running, message: str, fields: Any) -> tuple[str, Any]:
+        try:
+            return "ok", self._store_log(run.ctx, message, fields)
+        except Exception as exc:  # noqa: BLE001 - raised in the handler process as a JobqError
+            return "error", f"ctx.log line not stored: {_one_line(exc)}"
+
     def _upstream_answer(self, run: _Running) -> tuple[str, Any]:
         try:
             return "ok", self._read_upstream(run.ctx)
@@ -10608,7 +11329,7 @@ aio = _AioNamespace()
 # jobq/cli.py
 # ==============================================================================================
 # The command line (jobq, python -m jobq): init, enqueue, ls, get, why, stats, cancel, retry,
-# prune, group, limit, worker and serve.
+# prune, group, limit, logs, retention, bulk, audit, worker and serve.
 
 # One rule for exit codes (keep in sync with main's docstring and docs/guides/cli.md): 0 ok, 1 the job
 # named by the command's ID does not exist, 2 bad usage or input (options, the URL, --app),
@@ -11138,6 +11859,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("id", type=_job_id, nargs="?")
     p.add_argument("--all", action="store_true", help="the newest 500 jobs")
     p.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
+    _ops_parsers(add)
     p = sub.add_parser("worker", help="run a worker until SIGTERM", description="run a worker until SIGTERM/SIGINT",
                        parents=[common])
     p.add_argument("--app", required=True, metavar="MODULE:NAME", help="package.module:handlers (your own mapping)")
@@ -11315,8 +12037,107 @@ def _dashboard() -> Any:
     return module
 
 
+def _ops_parsers(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    # Operations (ops.py): job logs, retention policy, bulk actions and their audit log.
+    p = add("logs", "a job's log lines (ctx.log), oldest first")
+    p.add_argument("id", type=_job_id)
+    p.add_argument("--after", type=lambda t: _whole(t, LOG_LINES_PER_JOB), default=0, metavar="N",
+                   help="only lines numbered above N")
+    p = add("retention", "show the stored retention policy (how long finished jobs are kept), or set it")
+    p.add_argument("--group", metavar="KEY", help="a group's policy, overriding the global one (default: global)")
+    for state in TERMINAL:
+        p.add_argument(f"--{state}", type=_limit_or_none(_duration), metavar="DURATION|none",
+                       help=f"keep {state} jobs this long after they finished (e.g. 7d); none: remove")
+    p.add_argument("--apply", action="store_true", help="then delete now all that the policy no longer keeps")
+    p = add("bulk", "retry, cancel or prune every job matching a filter, in batches (recorded in the audit log)")
+    p.add_argument("action", choices=sorted(BULK_ACTIONS))
+    p.add_argument("--state", type=_states, action="extend", metavar="STATE[,STATE]",
+                   help="default: failed (retry), waiting,ready (cancel), done (prune)")
+    p.add_argument("--type")
+    p.add_argument("--group")
+    p.add_argument("--since", type=_duration, metavar="DURATION", help="created within, e.g. 1h")
+    p.add_argument("--until", type=_duration, metavar="DURATION", help="created more than DURATION ago")
+    p.add_argument("--error", metavar="TEXT", help="the job's error contains TEXT (ASCII case ignored)")
+    p.add_argument("--dry-run", action="store_true", help="print how many jobs match; change nothing")
+    p = add("audit", "the audit log of bulk actions, newest first")
+    p.add_argument("--limit", type=_count, default=50, help="most rows (default: 50)")
+
+
+def _retention_text(p: RetentionPolicy) -> str:
+    ages = ", ".join(f"{st} {_span(age.total_seconds())}" if age is not None else f"{st} kept"
+                     for st, age in (("done", p.done), ("failed", p.failed), ("cancelled", p.cancelled)))
+    if p.group_key is not None:
+        ages = ages.replace(" kept", " as global")
+    return f"retention {'group ' + p.group_key if p.group_key is not None else 'global'}: {ages}"
+
+
+def _run_ops(ns: argparse.Namespace, engine: Engine) -> int:
+    if ns.command == "logs":
+        _require_job(engine, ns.id)
+        lines = logs(engine, ns.id, after=ns.after)
+        if ns.json:
+            _print_json([dataclasses.asdict(line) for line in lines])
+        for line in [] if ns.json else lines:
+            fields = " " + json.dumps(line.fields, sort_keys=True, ensure_ascii=False) if line.fields else ""
+            print(f"{_iso(line.at)} attempt {line.attempt} #{line.seq}: {_text(line.message)}{fields}")
+        if not lines and not ns.json:
+            print(f"job {ns.id}: no log lines" + (f" after #{ns.after}" if ns.after else ""))
+    elif ns.command == "retention":
+        ages = {st: getattr(ns, st) for st in TERMINAL}
+        if any(v is not None for v in ages.values()):
+            policies = [set_retention(engine, ns.group, **ages)]
+        else:
+            policies = [get_retention(engine, ns.group)] if ns.group else retention_policies(engine) or [get_retention(engine)]
+        deleted = apply_retention(engine) if ns.apply else None
+        if ns.json:
+            _print_json({"policies": [{k: v.total_seconds() if isinstance(v, _dt.timedelta) else v
+                                       for k, v in dataclasses.asdict(p).items()} for p in policies], "deleted": deleted})
+        else:
+            print("\n".join(_retention_text(p) for p in policies) + ("" if deleted is None else f"\ndeleted {deleted} job(s)"))
+    elif ns.command == "bulk":
+        with engine.connect() as conn:
+            now = _prepare(engine).db_now(conn).replace(tzinfo=_dt.UTC)
+            conn.rollback()
+        r = bulk(engine, ns.action, states=ns.state, type=ns.type, group=ns.group, error=ns.error, dry_run=ns.dry_run,
+                 since=None if ns.since is None else now - ns.since, until=None if ns.until is None else now - ns.until,
+                 actor=_cli_actor())
+        if ns.json:
+            _print_json(dataclasses.asdict(r))
+        elif r.dry_run:
+            print(f"{r.matched} job(s) match: {ns.action} would apply to them (dry run, nothing changed)")
+        else:
+            print(f"{ns.action}: {r.applied} of {r.matched} matching job(s)" + (f", {r.skipped} skipped" if r.skipped else "")
+                  + (f", {r.reopened} re-opened in all" if ns.action == "retry" else ""))
+    elif ns.command == "audit":
+        entries = [dataclasses.asdict(e) for e in audit_log(engine, limit=ns.limit)]
+        if ns.json:
+            _print_json(entries)
+        else:
+            print(_table([{**e, "filter": json.dumps({k: v for k, v in e["filter"].items() if v is not None},
+                                                     sort_keys=True)} for e in entries],
+                         ["id", "at", "actor", "action", "count", "filter"]))
+    return 0
+
+
+def _cli_actor() -> str:
+    """Who runs a bulk action from the command line, for the audit log: cli:user@host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in this environment
+        user = "?"
+    return f"cli:{user}@{socket.gethostname()}"[:200]
+
+
+_OPS_COMMANDS = frozenset({"logs", "retention", "bulk", "audit"})
+
+
 def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str]) -> int:
     cmd = ns.command
+    if cmd in _OPS_COMMANDS:
+        return _run_ops(ns, engine)
     if cmd == "init":
         create_schema(engine)
         _print_json({"schema_version": SCHEMA_VERSION}) if ns.json else print("schema ready")

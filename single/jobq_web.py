@@ -205,6 +205,7 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
     data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children, retry_roots=roots,
                 suspended=_jq._suspension(engine, job_id),
                 attempt_history=[_plain(a) for a in jobq.attempts(engine, job_id)],
+                log=[_plain(line) for line in jobq.logs(engine, job_id)],
                 graph={"nodes": [{"id": n.id, "type": n.type, "state": n.state, "parent_id": n.parent_id,
                                   "is_container": bool(n.is_container)} for n in nodes],
                        "edges": [list(e) for e in edges]})
@@ -606,6 +607,8 @@ class Dashboard:
         group_action = len(parts) >= 2 and parts[0] == "groups" and parts[-1] in ("pause", "resume")
         if parts == ["signals", "send"]:  # a signal: ?key=K (&job=ID, the page to return to)
             return self._signal_action(req) if post else self._offer_signal(req)
+        if parts == ["jobs", "bulk-retry"]:
+            return self._bulk_retry(req, post)
         if post:
             if job_action:
                 return self._job_action(req, _job_id(parts[1]), parts[2])
@@ -630,6 +633,9 @@ class Dashboard:
             if detail is None:
                 raise _HttpError(404, f"no job with id {job_id}")
             return self._json(detail) if api else self._page(req, f"Job {job_id}", self._job_html(req, detail), "/jobs")
+        if parts == ["audit"]:
+            entries = [_plain(e) for e in jobq.audit_log(self.engine, limit=_int_arg(req, "limit", PAGE_SIZE, 1, _MAX_PAGE))]
+            return self._json({"audit": entries}) if api else self._page(req, "Audit log", _audit_html(entries), "/audit")
         if parts == ["groups"]:
             after = _name_arg(req, "after")
             # The JSON twin lists every group unless asked for a page (as before paging existed).
@@ -643,7 +649,7 @@ class Dashboard:
 
     @staticmethod
     def _known_get(parts: list[str], api: bool) -> bool:
-        return parts in ([], ["jobs"], ["groups"], ["schedules"]) or (len(parts) == 2 and parts[0] == "jobs")
+        return parts in ([], ["jobs"], ["groups"], ["schedules"], ["audit"]) or (len(parts) == 2 and parts[0] == "jobs")
 
     # ---- handlers
 
@@ -744,6 +750,52 @@ class Dashboard:
         if req.wants_json:
             return self._json({"group": group, "action": action, "message": message})
         return _redirect(f"{req.base}/groups?{urllib.parse.urlencode({'done': message})}")
+
+    def _bulk_form(self, req: _Request, f: Mapping[str, Any]) -> str:
+        """The jobs page's "Retry all failed" button for its filter (state failed, or any)."""
+        if self.token is None or f["state"] not in (None, "failed", "cancelled"):
+            return ""
+        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
+        q = {k: v for k, v in f.items() if v is not None and k in ("state", "type", "group", "since", "until")}
+        which = f["state"] or "failed"
+        return (f'<form class="inline" method="post" action="{_e(req.base)}/jobs/bulk-retry?'
+                f'{_e(urllib.parse.urlencode(q))}">{csrf}<button type="submit" id="bulk-retry">Retry all {which} '
+                f"jobs matching this filter</button></form>")
+
+    def _bulk_retry(self, req: _Request, post: bool) -> _Response:
+        """``POST /jobs/bulk-retry?state=&type=&group=&since=&until=&error=``: jobq.bulk("retry")
+        on that filter (state: failed or cancelled, default failed), recorded in the audit log.
+        A GET shows how many jobs match and the button."""
+        state = req.arg("state") or "failed"
+        if state not in ("failed", "cancelled"):
+            raise _HttpError(400, f"bulk retry takes state failed or cancelled, got {state!r}")
+        now = _db_now(self.engine) if req.arg("since") or req.arg("until") else None
+        since, until = _time_arg(req, "since", now), _time_arg(req, "until", now)
+        error = req.arg("error")
+        kw = {"states": [state], "type": _name_arg(req, "type"), "group": _name_arg(req, "group"), "error": error or None,
+              "since": since and since.replace(tzinfo=_dt.UTC), "until": until and until.replace(tzinfo=_dt.UTC)}
+        if not post:
+            if req.wants_json or self.token is None:
+                raise _HttpError(405, "actions are POST requests")
+            n = self._bulk(kw, dry_run=True).matched
+            q = _e(urllib.parse.urlencode({k: v[-1] for k, v in req.query.items() if k != "csrf"}))
+            return self._page(req, "Retry jobs", f'<h1>Retry jobs</h1><p id="bulk-count">{n} {_e(state)} job(s) match.</p>'
+                              f'<form method="post" action="{_e(req.base)}/jobs/bulk-retry?{q}">'
+                              + (f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else "")
+                              + '<button type="submit" id="bulk-retry">Retry them</button></form>', "/jobs")
+        self._authorize(req)
+        r = self._bulk(kw, dry_run=False)
+        message = f"retried {r.applied} of {r.matched} {state} job(s)" + (f", {r.skipped} skipped" if r.skipped else "")
+        logger.info("jobq dashboard: bulk retry: %s", message)
+        if req.wants_json:
+            return self._json({"action": "retry", "result": _plain(r), "message": message})
+        return _redirect(f"{req.base}/audit?{urllib.parse.urlencode({'done': message})}")
+
+    def _bulk(self, kw: Mapping[str, Any], *, dry_run: bool) -> Any:
+        try:
+            return jobq.bulk(self.engine, "retry", dry_run=dry_run, actor="dashboard", **kw)
+        except (jobq.ConfigError, jobq.InvalidJob) as exc:
+            raise _HttpError(400, _jq._one_line(exc)) from None
 
     def _offer_job_action(self, req: _Request, job_id: int, action: str) -> _Response:
         """The page at a job action's address (a GET): the job, and the action's button if it
@@ -875,7 +927,7 @@ class Dashboard:
         b = _e(req.base)
         nav = "".join(f'<a href="{b}{p}"{" class=here" if p == here else ""}>{name}</a>'
                       for p, name in (("/", "Overview"), ("/jobs", "Jobs"), ("/groups", "Groups"),
-                                      ("/schedules", "Schedules")))
+                                      ("/schedules", "Schedules"), ("/audit", "Audit")))
         if self.token is None:
             who = "read-only"
         elif self._session_ok(req):
@@ -966,7 +1018,7 @@ class Dashboard:
         if f["before"] is not None:
             q = {k: v for k, v in f.items() if v is not None and k != "before"}
             pager += f'<p><a href="{b}/jobs?{_e(urllib.parse.urlencode(q))}">&larr; newest</a></p>'
-        return f"<h1>Jobs</h1>{form}{table}{pager}"
+        return f"<h1>Jobs</h1>{form}{self._bulk_form(req, f)}{table}{pager}"
 
     def _job_html(self, req: _Request, d: Mapping[str, Any]) -> str:
         b = _e(req.base)
@@ -1006,6 +1058,7 @@ class Dashboard:
         if history is not None:
             keys = sorted({k for a in history for k in a})
             parts.append("<h2>Attempts</h2>" + _table(keys, ([_e(a.get(k)) for k in keys] for a in history)))
+        parts.append(_log_html(d["log"]))
         return "".join(parts)
 
     def _groups_html(self, req: _Request, d: Mapping[str, Any]) -> str:
@@ -1073,6 +1126,23 @@ def _schedules_html(req: _Request, d: Mapping[str, Any]) -> str:
     return ('<h1>Schedules</h1><p class="muted">Recurring jobs: each slot is enqueued once by the first worker '
             "that sees it due; after downtime, one job for the latest missed slot. Pause, resume and remove with "
             "<code>jobq schedule NAME --pause|--resume|--remove</code>.</p>" + table)
+
+
+def _audit_html(entries: Sequence[Mapping[str, Any]]) -> str:
+    """The audit log page: bulk actions, newest first, escaped."""
+    rows = ([_e(x["id"]), _e(x["at"]), _e(x["actor"]), _e(x["action"]), _e(x["count"]),
+             _e(json.dumps({k: v for k, v in x["filter"].items() if v is not None}, sort_keys=True))] for x in entries)
+    return ("<h1>Audit log</h1><p class=muted>Bulk actions (retry, cancel, prune by filter), newest first.</p>"
+            + _table(["id", "at", "who", "action", "jobs", "filter"], rows, "audit"))
+
+
+def _log_html(lines: Sequence[Mapping[str, Any]]) -> str:
+    """The job page's log section: ctx.log lines, oldest first, escaped."""
+    if not lines:
+        return '<h2>Log</h2><p class="muted" id="log">no log lines</p>'
+    rows = ([_e(x["seq"]), _e(x["attempt"]), _e(x["at"]), f'<pre>{_e(x["message"])}</pre>',
+             _e(_json_text(x["fields"])) if x["fields"] else ""] for x in lines)
+    return '<h2>Log</h2><div id="log">' + _table(["#", "attempt", "at", "message", "fields"], rows) + "</div>"
 
 
 def _global_html(g: Mapping[str, Any]) -> str:

@@ -203,6 +203,9 @@ def wipe(engine: sa.Engine) -> None:
         conn.execute(sa.delete(tables["jobq_waits"]))  # what handlers waited for, and the signals
         conn.execute(sa.delete(tables["jobq_signals"]))
         conn.execute(sa.delete(tables["jobq_schedules"]))  # recurring jobs (jobq.schedule)
+        for name in ("jobq_logs", "jobq_retention", "jobq_audit"):  # ctx.log, retention policy, bulk actions
+            conn.execute(sa.delete(tables[name]))
+        conn.execute(sa.update(meta).where(meta.c.key == "retention_due").values(value=""))
         conn.execute(sa.update(meta).where(meta.c.key == "claim_lock").values(value=""))
         conn.execute(sa.update(meta).where(meta.c.key == "global_limits").values(value=""))  # set_limit
 

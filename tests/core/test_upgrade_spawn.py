@@ -50,7 +50,7 @@ def test_a_schema_3_database_gains_spawning_in_place(engine: sa.Engine) -> None:
     assert set(NEW_COLUMNS) <= {c["name"] for c in insp.get_columns("jobs")}
     want = "ix_jobs_held" if engine.dialect.name in ("postgresql", "sqlite") else "ix_jobs_held_my"
     assert want in {i["name"] for i in insp.get_indexes("jobs")}
-    assert schema_version(engine) == str(jobq.SCHEMA_VERSION) == "7"
+    assert schema_version(engine) == str(jobq.SCHEMA_VERSION)
 
     def spawner(ctx: jobq.JobContext) -> dict[str, int]:
         return {"child": ctx.enqueue("child", depends_on=[ctx.id])}

@@ -107,14 +107,14 @@ def _broken_promises(r: dict[str, Any]) -> list[str]:
     return bad
 
 
-def _unlocked_batch(d: jobq._Dialect, ids: Any, states: Any, cutoff: dt.datetime) -> sa.Select[Any]:
+def _unlocked_batch(d: jobq._Dialect, ids: Any, states: Any, cutoff: dt.datetime, extra: Any = ()) -> sa.Select[Any]:
     """BROKEN: the batch as read, by id only (prune's delete with no second look)."""
     return sa.select(c.id).where(c.id.in_(ids)).order_by(c.id)
 
 
-def _recheck_without_lock(d: jobq._Dialect, ids: Any, states: Any, cutoff: dt.datetime) -> sa.Select[Any]:
+def _recheck_without_lock(d: jobq._Dialect, ids: Any, states: Any, cutoff: dt.datetime, extra: Any = ()) -> sa.Select[Any]:
     """BROKEN: the batch checked again but not locked: a retry can still commit in between."""
-    return sa.select(c.id).where(c.id.in_(ids), *jobq._prunable(states, cutoff)).order_by(c.id)
+    return sa.select(c.id).where(c.id.in_(ids), *jobq._prunable(states, cutoff, extra)).order_by(c.id)
 
 
 BROKEN: dict[str, tuple[Callable[..., sa.Select[Any]], str]] = {
