@@ -37,6 +37,12 @@ TABLE_PURPOSE = {
                   "sleeps with their end, the snooze count; kept for the job's life.",
     "jobq_schedules": "One row per recurring job (`jobq.schedule`): its interval or cron expression, "
                       "the job it enqueues, its next and last slot, and the revision its firing is fenced on.",
+    "jobq_logs": "The lines handlers stored with `ctx.log`: job, line number, attempt, time, message, "
+                 "fields; at most `LOG_LINES_PER_JOB` per job, deleted with the job.",
+    "jobq_retention": "How long finished jobs are kept, per terminal state: one global row and "
+                      "optional per-group rows (`set_retention`).",
+    "jobq_audit": "One row per bulk action (retry, cancel, prune by filter): who, what, the filter, "
+                  "how many jobs, when.",
 }
 API_PREFIX = "reference/api/"
 
