@@ -97,11 +97,11 @@ def test_one_worker_takes_each_round(engine: sa.Engine, monkeypatch: pytest.Monk
     assert w.run_until_idle(timeout=60) and _left(engine, ids + more) == set()
 
 
-def _race(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, hold: bool) -> tuple[int, list[int], int]:
-    """Two threads apply retention at once (batch 5) to 12 eligible jobs. With ``hold`` both
-    read their first batch before either locks it (a meeting at "prune_read"; engines with row
-    locks only: SQLite's BEGIN IMMEDIATE lets one in at a time). Returns (eligible, what each
-    reported deleted, rows left of them)."""
+def _race(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, hold: str | None) -> tuple[int, list[int], int]:
+    """Two threads apply retention at once (batch 5) to 12 eligible jobs. With ``hold`` (a
+    checkpoint) both reach it with their first batch before either goes on ("prune_read": both
+    read before either locks; engines with row locks only: SQLite's BEGIN IMMEDIATE lets one in
+    at a time). Returns (eligible, what each reported deleted, rows left of them)."""
     ids = _finished(engine, 12)
     jobq.set_retention(engine, done=HOUR)
     arrive = meeting(2)
@@ -109,7 +109,7 @@ def _race(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, hold: bool) -> tup
 
     def checkpoint(name: str, job_ids: Any = ()) -> None:
         me = threading.get_ident()
-        if hold and name == "prune_read" and job_ids and me not in held:
+        if name == hold and job_ids and me not in held:
             held.add(me)
             arrive()
 
@@ -137,8 +137,7 @@ def test_two_workers_applying_retention_at_once_delete_each_row_once(engine: sa.
     """Correct: the two counts add up to the eligible jobs and none is left; each batch is
     locked and checked again before its delete, so the slower one finds the rows gone. A
     retention that deleted by the ids it read would count rows twice (see the broken variant)."""
-    hold = dialect != "sqlite"
-    eligible, counts, left = _race(engine, monkeypatch, hold)
+    eligible, counts, left = _race(engine, monkeypatch, None if dialect == "sqlite" else "prune_read")
     assert sum(counts) == eligible and left == 0, counts
 
 
@@ -150,8 +149,11 @@ def _by_id_only(d: Any, ids: Any, states: Any, cutoff: dt.datetime, extra: Any =
 @needs("row_locks")
 def test_the_race_check_catches_a_retention_that_deletes_by_the_ids_it_read(engine: sa.Engine,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both threads hold their batch after its (broken) second look, so both delete it and
+    count it: the sum exceeds the eligible jobs. (With the real second look the slower thread
+    waits for the first one's row locks and never reaches that point with the same batch.)"""
     monkeypatch.setattr(jobq, "_q_lock_prunable", _by_id_only)
-    eligible, counts, left = _race(engine, monkeypatch, hold=True)
+    eligible, counts, left = _race(engine, monkeypatch, "prune_locked")
     assert sum(counts) > eligible, f"not caught: {counts} for {eligible}"
 
 

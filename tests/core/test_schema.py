@@ -13,15 +13,17 @@ from helpers import META, recorded_version
 
 
 def test_create_schema_is_idempotent(engine: sa.Engine) -> None:
-    """create_schema twice: the tables exist, and jobq_meta holds exactly the schema version and the
-    claim-lock row; the second call neither fails nor duplicates them."""
+    """create_schema twice: the tables exist, and jobq_meta holds exactly the schema version, the
+    claim-lock row, the global limits and retention's turn; the second call neither fails nor
+    duplicates them."""
     jobq.create_schema(engine)
     jobq.create_schema(engine)
     names = set(sa.inspect(engine).get_table_names())
     assert {"jobs", "job_deps", "jobq_meta"} <= names
     with engine.connect() as conn:
         rows = dict(conn.execute(sa.select(META.c.key, META.c.value)).all())
-    assert rows == {"schema_version": str(jobq.SCHEMA_VERSION), "claim_lock": "", "global_limits": ""}
+    assert rows == {"schema_version": str(jobq.SCHEMA_VERSION), "claim_lock": "", "global_limits": "",
+                    "retention_due": ""}
 
 
 def test_ready_index_exists_in_the_dialects_form(engine: sa.Engine) -> None:

@@ -54,7 +54,7 @@ def test_create_schema_from_many_processes_on_an_empty_database(dialect: str, tm
             assert not errors, errors[0]
             with eng.connect() as conn:
                 meta = sorted(conn.execute(sa.select(META.c.key)).scalars())
-            assert meta == ["claim_lock", "global_limits", "schema_version"]
+            assert meta == ["claim_lock", "global_limits", "retention_due", "schema_version"]
             jid = jobq.enqueue(eng, "t")
             assert jobq.claim(eng, "w", 30) == jid
     finally:
