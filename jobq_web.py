@@ -54,6 +54,8 @@ PAGE_SIZE = 50
 GROUPS_PAGE = 100
 OVERVIEW_GROUPS = 20
 _MAX_PAGE = 500
+#: A job list counts the jobs its filters match up to this many ("10000+" beyond).
+_COUNT_CAP = 10_000
 #: The overview's chart: finished jobs over the last hour, in 12 spans of 5 minutes.
 _CHART_STEP = _dt.timedelta(minutes=5)
 _CHART_SPANS = 12
@@ -178,6 +180,23 @@ def job_list(engine: sa.Engine, *, state: str | None, type: str | None, group: s
     return {"jobs": rows, "next_before": rows[-1]["id"] if more and rows else None}
 
 
+def _list_details(engine: sa.Engine, d: dict[str, Any], filters: Mapping[str, Any]) -> dict[str, Any]:
+    """A job list page's extras, in three statements whatever the page size: each row's
+    priority, last error, last start and progress, the database time (for "3m ago") and the
+    number of jobs matching the filters (``total``, counted to ``_COUNT_CAP``; ``total_capped``
+    says it is at least that many)."""
+    ids = [r["id"] for r in d["jobs"]]
+    with engine.connect() as conn:
+        extra = {r.id: r._mapping for r in conn.execute(_jq._q_list_details(ids))} if ids else {}
+        total = int(conn.execute(_jq._q_count_listed(
+            state=filters.get("state"), type=filters.get("type"), group=filters.get("group"),
+            since=filters.get("since"), until=filters.get("until"), cap=_COUNT_CAP)).scalar_one())
+        conn.rollback()
+    for r in d["jobs"]:
+        r.update({k: v for k, v in extra.get(r["id"], {}).items() if k != "id"})
+    return d | {"now": _db_now(engine), "total": min(total, _COUNT_CAP), "total_capped": total > _COUNT_CAP}
+
+
 def _retry_roots(conn: sa.Connection, job_id: int, state: str) -> list[int]:
     """The failed or cancelled jobs that keep a closed job closed (retry them, or retry it from
     its root); empty when retrying the job itself is what to do."""
@@ -203,7 +222,7 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
     if hide_args:
         data["args"] = None
     data.update(args_hidden=hide_args, why=line, dependents=dependents, children=children, retry_roots=roots,
-                suspended=_jq._suspension(engine, job_id),
+                suspended=_jq._suspension(engine, job_id), now=_db_now(engine),
                 attempt_history=[_plain(a) for a in jobq.attempts(engine, job_id)],
                 log=[_plain(line) for line in jobq.logs(engine, job_id)],
                 graph={"nodes": [{"id": n.id, "type": n.type, "state": n.state, "parent_id": n.parent_id,
@@ -266,6 +285,107 @@ def _num(value: Any) -> str:
 
 def _share(value: Any) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
+
+
+def _utc(value: _dt.datetime) -> _dt.datetime:
+    return value.replace(tzinfo=_dt.UTC) if value.tzinfo is None else value.astimezone(_dt.UTC)
+
+
+def _duration(seconds: float) -> str:
+    """A duration for people: tenths of a second below 10 s ("2.4s"), else as the CLI does."""
+    return f"{seconds:.1f}s" if seconds < 10 else _jq._span(seconds)
+
+
+def _ago(value: _dt.datetime | None, now: _dt.datetime | None) -> str:
+    """A time as "3m05s ago" (or "in 5m00s"), its absolute UTC time in the title; "-" if None."""
+    if value is None:
+        return "-"
+    iso = _e(value)
+    if now is None:
+        return f'<time datetime="{iso}">{iso}</time>'
+    secs = (_utc(now) - _utc(value)).total_seconds()
+    rel = f"{_duration(secs)} ago" if secs >= 0 else f"in {_duration(-secs)}"
+    return f'<time datetime="{iso}" title="{iso}">{rel}</time>'
+
+
+def _took(start: _dt.datetime | None, end: _dt.datetime | None) -> str:
+    """How long from ``start`` to ``end`` ("-" when either is missing)."""
+    return "-" if start is None or end is None else _duration(max(0.0, (_utc(end) - _utc(start)).total_seconds()))
+
+
+def _amount(v: float) -> str:
+    return f"{int(v):,}" if float(v).is_integer() else f"{v:,.2f}"
+
+
+def _progress(p: Any) -> str:
+    """A job's last ctx.progress as a bar with its numbers and note: "231 / 1,000 (23%) · note"."""
+    if p is None:
+        return "-"
+    if not isinstance(p, Mapping):
+        return _e(_json_text(p))
+    done: Any = p.get("done")
+    total: Any = p.get("total")
+    note = p.get("message")
+
+    def number(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+    if not number(done):
+        return _e(_json_text(dict(p)))
+    if number(total) and total > 0:
+        frac = min(max(done / total, 0.0), 1.0)
+        out = (f'<progress class="bar" value="{min(max(done, 0), total)!r}" max="{total!r}">{frac:.0%}</progress> '
+               f"{_amount(done)} / {_amount(total)} ({frac:.0%})")
+    else:
+        out = f"{_amount(done)} done"
+    return out + (f" &middot; {_e(note)}" if note else "")
+
+
+def _paused(value: Any) -> str:
+    return "paused" if value else "active"
+
+
+def _error_cell(error: str | None, width: int = 80) -> str:
+    """A job's last error for a table: its first line, cut to ``width`` characters, the whole
+    text in the title (a browser shows it on hover)."""
+    if not error:
+        return ""
+    first = _headline(error)
+    short = first if len(first) <= width and first == error.strip() else first[:width].rstrip() + "…"
+    return f'<span class="err" title="{_e(error)}">{_e(short)}</span>'
+
+
+def _headline(error: str) -> str:
+    """The line that says what went wrong: the first (a worker writes "Type: message" there),
+    or a bare traceback's last."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    return lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
+
+
+#: The attempts table's columns: heading, then the cell from one attempt (a dict) and the job page's ``now``.
+_ATTEMPT_COLUMNS: tuple[tuple[str, Callable[[Mapping[str, Any], _dt.datetime | None], str]], ...] = (
+    ("#", lambda a, now: _num(a.get("attempt"))),
+    ("outcome", lambda a, now: _state(a["outcome"]) if a.get("outcome") else "-"),
+    ("worker", lambda a, now: _e(a.get("worker_id")) or "-"),
+    ("started", lambda a, now: _ago(a.get("started_at"), now)),
+    ("finished", lambda a, now: _ago(a.get("finished_at"), now)),
+    ("ran", lambda a, now: _took(a.get("started_at"), a.get("finished_at"))),
+    ("error", lambda a, now: _attempt_error(a.get("error"))),
+)
+
+
+def _attempt_error(error: str | None) -> str:
+    """An attempt's error in full (the traceback keeps its lines), folded under its first line."""
+    if not error:
+        return ""
+    return f'<details class="tb"><summary>{_e(_headline(error)[:120])}</summary><pre>{_e(error)}</pre></details>'
+
+
+def _attempts_table(history: Sequence[Mapping[str, Any]], now: _dt.datetime | None) -> str:
+    return _table([h for h, _ in _ATTEMPT_COLUMNS], ([cell(a, now) for _, cell in _ATTEMPT_COLUMNS] for a in history),
+                  "attempts")
 
 
 def _chart_svg(chart: Mapping[str, Any]) -> str:
@@ -382,6 +502,8 @@ svg text.n2 { font-size: 11px; } svg a.node:hover rect { stroke: #0969da; stroke
 .dagbox { overflow: auto; background: #fff; border: 1px solid #d0d7de; padding: .3rem; }
 dl.fields { display: grid; grid-template-columns: max-content 1fr; gap: .15rem 1rem; margin: 0; font-size: .9rem; }
 dl.fields dt { color: #57606a; } dl.fields dd { margin: 0; }
+progress.bar { width: 10rem; vertical-align: middle; } details.tb pre { max-width: 60rem; white-space: pre; }
+details.tb summary { cursor: pointer; } span.err { color: #cf222e; }
 """
 
 # Live refresh: every 5 s, fetch this same page and swap in its <main>; paused while the
@@ -665,6 +787,8 @@ class Dashboard:
         type_, group = _name_arg(req, "type"), _name_arg(req, "group")
         data = job_list(self.engine, state=state, type=type_, group=group, since=since,
                         until=until, before=before, limit=limit)
+        data = _list_details(self.engine, data, {"state": state, "type": type_, "group": group,
+                                                 "since": since, "until": until})
         data["filters"] = {"state": state, "type": type_, "group": group,
                            "since": req.arg("since"), "until": req.arg("until"), "limit": limit, "before": before}
         return data
@@ -975,7 +1099,7 @@ class Dashboard:
                          "served share", "weight share"],
                         ([f'<a href="{b}/jobs?group={_e(urllib.parse.quote(g["group"]))}">{_e(g["group"])}</a>',
                           _num(g["weight"]), _e(g["due"]), _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]),
-                          _num(g["rate"]), _num(g["paused"]), _e(g["starts_last_hour"]), _share(g["served_share"]),
+                          _num(g["rate"]), _paused(g["paused"]), _e(g["starts_last_hour"]), _share(g["served_share"]),
                           _share(g["weight_share"])] for g in d["groups"][:OVERVIEW_GROUPS]), "groups")
         if len(d["groups"]) > OVERVIEW_GROUPS:
             groups += (f'<p><a id="all-groups" href="{b}/groups">all {len(d["groups"])} groups &rarr;</a> '
@@ -1006,11 +1130,7 @@ class Dashboard:
                 f'<label>created since<input name="since" placeholder="1h or 2026-12-01T09:00:00Z" value="{_e(f["since"])}"></label>'
                 f'<label>created before<input name="until" placeholder="ISO time or 30m" value="{_e(f["until"])}"></label>'
                 '<button type="submit">Filter</button></form>')
-        rows = ([f'<a href="{b}/jobs/{r["id"]}">{r["id"]}</a>', _e(r["type"]), _state(r["state"]),
-                 f'<a href="{b}/jobs?group={_e(urllib.parse.quote(r["group_key"]))}">{_e(r["group_key"])}</a>',
-                 f'{r["attempts"]}/{r["max_attempts"]}', _e(r["run_after"]), _e(r["created_at"]), _e(r["finished_at"])]
-                for r in d["jobs"])
-        table = _table(["id", "type", "state", "group", "attempts", "run after", "created", "finished"], rows, "jobs")
+        table = _job_rows_table(b, d["jobs"], d["now"])
         pager = ""
         if d["next_before"] is not None:
             q = {k: v for k, v in f.items() if v is not None and k != "before"} | {"before": d["next_before"]}
@@ -1018,11 +1138,12 @@ class Dashboard:
         if f["before"] is not None:
             q = {k: v for k, v in f.items() if v is not None and k != "before"}
             pager += f'<p><a href="{b}/jobs?{_e(urllib.parse.urlencode(q))}">&larr; newest</a></p>'
-        return f"<h1>Jobs</h1>{form}{self._bulk_form(req, f)}{table}{pager}"
+        return f"<h1>Jobs</h1>{form}{self._bulk_form(req, f)}{_total_line(d)}{table}{pager}"
 
     def _job_html(self, req: _Request, d: Mapping[str, Any]) -> str:
         b = _e(req.base)
         jid = d["id"]
+        now = d.get("now")
 
         def links(ids: Sequence[int]) -> str:
             return ", ".join(f'<a href="{b}/jobs/{i}">{i}</a>' for i in ids) or '<span class="muted">none</span>'
@@ -1031,12 +1152,14 @@ class Dashboard:
                   ("attempts", f'{d["attempts"]} of {d["max_attempts"]}'), ("container", "yes" if d["is_container"] else "no"),
                   ("parent", links([d["parent_id"]]) if d["parent_id"] else "-"), ("upstreams", links(d["depends_on"])),
                   ("dependents", links(d["dependents"])), ("children", links(d["children"])),
-                  ("run after", _e(d["run_after"])), ("created", _e(d["created_at"])), ("started", _e(d["started_at"]) or "-"),
-                  ("finished", _e(d["finished_at"]) or "-"), ("timeout", _num(d["timeout"])),
-                  ("lease owner", _e(d["lease_owner"]) or "-"), ("lease expires", _e(d["lease_expires"]) or "-"),
-                  ("heartbeat", _e(d["heartbeat_at"]) or "-"), ("cancel requested", "yes" if d["cancel_requested"] else "no")]
+                  ("run after", _ago(d["run_after"], now)), ("created", _ago(d["created_at"], now)),
+                  ("started", _ago(d["started_at"], now)), ("finished", _ago(d["finished_at"], now)),
+                  ("ran", _took(d["started_at"], d["finished_at"])), ("timeout", _num(d["timeout"])),
+                  ("lease owner", _e(d["lease_owner"]) or "-"), ("lease expires", _ago(d["lease_expires"], now)),
+                  ("heartbeat", _ago(d["heartbeat_at"], now)), ("cancel requested", "yes" if d["cancel_requested"] else "no")]
+        fields.insert(3, ("priority", _e(d["priority"])))
         if d["progress"] is not None:
-            fields.append(("progress", _e(d["progress"])))
+            fields.append(("progress", f'<span id="progress">{_progress(d["progress"])}</span>'))
         actions = "" if self.token is None else self._job_buttons(req, jid, d["state"], d["cancel_requested"],
                                                                   roots=d["retry_roots"])
         actions += self._suspended_html(req, jid, d["suspended"])
@@ -1056,8 +1179,7 @@ class Dashboard:
             parts.append(f'<h2>Checkpoint</h2><pre id="checkpoint">{_e(_json_text(d["checkpoint"]))}</pre>')
         history = d["attempt_history"]
         if history is not None:
-            keys = sorted({k for a in history for k in a})
-            parts.append("<h2>Attempts</h2>" + _table(keys, ([_e(a.get(k)) for k in keys] for a in history)))
+            parts.append("<h2>Attempts</h2>" + _attempts_table(history, now))
         parts.append(_log_html(d["log"]))
         return "".join(parts)
 
@@ -1069,7 +1191,7 @@ class Dashboard:
             name = urllib.parse.quote(g["group"], safe="")
             button = self._group_button(req, g["group"], "resume" if g["paused"] else "pause") if can_act else ""
             rows.append([f'<a href="{b}/jobs?group={_e(name)}">{_e(g["group"])}</a>', _num(g["weight"]), _e(g["due"]),
-                         _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]), _num(g["rate"]), _num(g["paused"]),
+                         _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]), _num(g["rate"]), _paused(g["paused"]),
                          _e(g["starts_last_hour"]), _share(g["served_share"]), _share(g["weight_share"])]
                         + ([button] if can_act else []))
         note = ('<p class="muted" id="policy-note">Weight, cap, rate and pause are stored per group with '
@@ -1086,6 +1208,26 @@ class Dashboard:
         limit = (f'<p id="global-limits">Global limit over all groups (stored, every worker): '
                  f'{_global_html(d["global_limit"])}</p>')
         return f"<h1>Groups</h1>{limit}{note}{table}{pager}</p>"
+
+
+def _job_rows_table(b: str, jobs: Sequence[Mapping[str, Any]], now: _dt.datetime | None) -> str:
+    """The job list's table: times relative to the database's ``now`` (absolute in the title),
+    how long the last attempt ran, and the last error's first line."""
+    def row(r: Mapping[str, Any]) -> list[str]:
+        ran = (_took(r.get("started_at"), r["finished_at"]) if r["finished_at"] is not None
+               else f"{_took(r.get('started_at'), now)} so far" if r["state"] == "running" and r.get("started_at") else "-")
+        return [f'<a href="{b}/jobs/{r["id"]}">{r["id"]}</a>', _e(r["type"]), _state(r["state"]),
+                f'<a href="{b}/jobs?group={_e(urllib.parse.quote(r["group_key"]))}">{_e(r["group_key"])}</a>',
+                _num(r.get("priority")), f'{r["attempts"]}/{r["max_attempts"]}', _ago(r["run_after"], now),
+                _ago(r["created_at"], now), _ago(r["finished_at"], now), ran, _error_cell(r.get("error"))]
+    return _table(["id", "type", "state", "group", "priority", "attempts", "run after", "created", "finished",
+                   "ran", "last error"], (row(r) for r in jobs), "jobs")
+
+
+def _total_line(d: Mapping[str, Any]) -> str:
+    """ "Showing 50 of 1,234 matching jobs" above a job list."""
+    total = f'{d["total"]:,}{"+" if d["total_capped"] else ""}'
+    return f'<p class="muted" id="total">showing {len(d["jobs"])} of {total} matching jobs, newest first</p>'
 
 
 def _healthz(engine: sa.Engine) -> _Response:

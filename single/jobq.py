@@ -1489,6 +1489,20 @@ def _q_list_jobs(*, state: str | Sequence[str] | None, type: str | None, group: 
     return stmt.order_by(_c.id.desc()).limit(limit)
 
 
+def _q_list_details(ids: Sequence[int]) -> sa.Select[Any]:
+    """The dashboard's job list: the columns it shows beside `_q_list_jobs`'s (priority, the
+    last error, when the last attempt started, progress) for one page of ids."""
+    return sa.select(_c.id, _c.priority, _c.error, _c.started_at, _c.progress).where(_c.id.in_(list(ids)))
+
+
+def _q_count_listed(*, state: str | None, type: str | None, group: str | None, since: _dt.datetime | None,
+                    until: _dt.datetime | None, cap: int) -> sa.Select[Any]:
+    """How many jobs `_q_list_jobs` with these filters lists, counting at most ``cap`` + 1 (a
+    page's total costs a bounded read however large the table)."""
+    listed = _q_list_jobs(state=state, type=type, group=group, since=since, until=until, limit=cap + 1)
+    return sa.select(sa.func.count()).select_from(listed.with_only_columns(_c.id).subquery())
+
+
 def _q_newest_ids(limit: int) -> sa.Select[Any]:
     return sa.select(_c.id).order_by(_c.id.desc()).limit(limit)
 

@@ -128,6 +128,11 @@ def test_an_operator_sees_states_why_and_the_dag_and_retries_only_with_the_token
 
         d.get(f"{base}jobs/{up}")  # type: ignore[attr-defined]
         assert "ConnectionError: host unreachable" in find(By.ID, "error").text
+        tb = find(By.CSS_SELECTOR, "table.attempts details.tb")  # the attempt's traceback: folded, then whole
+        assert tb.text == "ConnectionError: host unreachable"
+        tb.find_element(By.TAG_NAME, "summary").click()
+        assert tb.find_element(By.TAG_NAME, "pre").text.splitlines() == [
+            "Traceback (most recent call last):", "ConnectionError: host unreachable"]
         submit(find(By.ID, "retry"))  # not signed in
         assert find(By.TAG_NAME, "h1").text == "401 Unauthorized" and "sign in" in find(By.ID, "error").text
         assert jobq.get(engine, up).state == "failed"
