@@ -168,16 +168,25 @@ def overview(engine: sa.Engine) -> dict[str, Any]:
 
 
 def job_list(engine: sa.Engine, *, state: str | None, type: str | None, group: str | None,
-             since: _dt.datetime | None, until: _dt.datetime | None, before: int | None, limit: int) -> dict[str, Any]:
-    """One page of jobs, newest first, and the id to ask for the next page (or None)."""
+             since: _dt.datetime | None, until: _dt.datetime | None, before: int | None, limit: int,
+             after: int | None = None) -> dict[str, Any]:
+    """One page of jobs, newest first: those below the id ``before``, or the ``limit`` jobs just
+    above the id ``after``, or the newest; with ``next_before`` (the ``before`` of the older page,
+    or None) and ``newer_after`` (the ``after`` of the newer page, or None)."""
     _jq._prepare(engine)
     with engine.connect() as conn:
         rows = [dict(r._mapping) for r in conn.execute(_jq._q_list_jobs(
-            state=state, type=type, group=group, since=since, until=until, before=before, limit=limit + 1))]
+            state=state, type=type, group=group, since=since, until=until, before=before, after=after,
+            limit=limit + 1))]
         conn.rollback()
     more = len(rows) > limit
     rows = rows[:limit]
-    return {"jobs": rows, "next_before": rows[-1]["id"] if more and rows else None}
+    if after is not None:  # read upwards from ``after``: the page's newest is last
+        rows.reverse()
+        return {"jobs": rows, "next_before": rows[-1]["id"] if rows else None,
+                "newer_after": rows[0]["id"] if more and rows else None}
+    return {"jobs": rows, "next_before": rows[-1]["id"] if more and rows else None,
+            "newer_after": rows[0]["id"] if before is not None and rows else None}
 
 
 def _list_details(engine: sa.Engine, d: dict[str, Any], filters: Mapping[str, Any]) -> dict[str, Any]:
@@ -781,16 +790,18 @@ class Dashboard:
             raise _HttpError(400, f"state must be one of {', '.join(jobq.STATES)}, got {state!r}")
         limit = _int_arg(req, "limit", PAGE_SIZE, 1, _MAX_PAGE)
         before = _int_arg(req, "before", None, 1, 2**63 - 1)
+        after = _int_arg(req, "after", None, 0, 2**63 - 1) if before is None else None
         now = _db_now(self.engine) if req.arg("since") or req.arg("until") else None
         since = _time_arg(req, "since", now)
         until = _time_arg(req, "until", now)
         type_, group = _name_arg(req, "type"), _name_arg(req, "group")
         data = job_list(self.engine, state=state, type=type_, group=group, since=since,
-                        until=until, before=before, limit=limit)
+                        until=until, before=before, limit=limit, after=after)
         data = _list_details(self.engine, data, {"state": state, "type": type_, "group": group,
                                                  "since": since, "until": until})
         data["filters"] = {"state": state, "type": type_, "group": group,
-                           "since": req.arg("since"), "until": req.arg("until"), "limit": limit, "before": before}
+                           "since": req.arg("since"), "until": req.arg("until"), "limit": limit, "before": before,
+                           "after": after}
         return data
 
     def _job_action(self, req: _Request, job_id: int, action: str) -> _Response:
@@ -1131,13 +1142,7 @@ class Dashboard:
                 f'<label>created before<input name="until" placeholder="ISO time or 30m" value="{_e(f["until"])}"></label>'
                 '<button type="submit">Filter</button></form>')
         table = _job_rows_table(b, d["jobs"], d["now"])
-        pager = ""
-        if d["next_before"] is not None:
-            q = {k: v for k, v in f.items() if v is not None and k != "before"} | {"before": d["next_before"]}
-            pager = f'<p><a id="older" href="{b}/jobs?{_e(urllib.parse.urlencode(q))}">older jobs &rarr;</a></p>'
-        if f["before"] is not None:
-            q = {k: v for k, v in f.items() if v is not None and k != "before"}
-            pager += f'<p><a href="{b}/jobs?{_e(urllib.parse.urlencode(q))}">&larr; newest</a></p>'
+        pager = _jobs_pager(b, d, f)
         return f"<h1>Jobs</h1>{form}{self._bulk_form(req, f)}{_total_line(d)}{table}{pager}"
 
     def _job_html(self, req: _Request, d: Mapping[str, Any]) -> str:
@@ -1222,6 +1227,23 @@ def _job_rows_table(b: str, jobs: Sequence[Mapping[str, Any]], now: _dt.datetime
                 _ago(r["created_at"], now), _ago(r["finished_at"], now), ran, _error_cell(r.get("error"))]
     return _table(["id", "type", "state", "group", "priority", "attempts", "run after", "created", "finished",
                    "ran", "last error"], (row(r) for r in jobs), "jobs")
+
+
+def _jobs_pager(b: str, d: Mapping[str, Any], f: Mapping[str, Any]) -> str:
+    """The job list's links: newest, newer (the page above), older (the page below)."""
+    keep = {k: v for k, v in f.items() if v is not None and k not in ("before", "after")}
+
+    def link(link_id: str, text: str, extra: Mapping[str, Any]) -> str:
+        return f'<a id="{link_id}" href="{b}/jobs?{_e(urllib.parse.urlencode(keep | dict(extra)))}">{text}</a>'
+
+    links = []
+    if f["before"] is not None or f.get("after") is not None:
+        links.append(link("newest", "&larr;&larr; newest", {}))
+    if d.get("newer_after") is not None:
+        links.append(link("newer", "&larr; newer jobs", {"after": d["newer_after"]}))
+    if d["next_before"] is not None:
+        links.append(link("older", "older jobs &rarr;", {"before": d["next_before"]}))
+    return f'<p class="pager">{" &middot; ".join(links)}</p>' if links else ""
 
 
 def _total_line(d: Mapping[str, Any]) -> str:

@@ -276,16 +276,18 @@ def _q_schema_version() -> sa.Select[Any]:
 
 def _q_list_jobs(*, state: str | Sequence[str] | None, type: str | None, group: str | None,
                  since: _dt.datetime | None, limit: int, until: _dt.datetime | None = None,
-                 before: int | None = None) -> sa.Select[Any]:
+                 before: int | None = None, after: int | None = None) -> sa.Select[Any]:
     """`jobq ls` and the dashboard's job list: the newest jobs first, filtered (``state``: one
     state, or any of several); ``before`` (an id) pages backwards by key, so a page costs the
-    same however deep it is."""
+    same however deep it is; ``after`` (an id) pages forwards: the oldest jobs above it first."""
     stmt = sa.select(_c.id, _c.type, _c.state, _c.group_key, _c.attempts, _c.max_attempts, _c.run_after,
                      _c.created_at, _c.finished_at)
     if until is not None:
         stmt = stmt.where(_c.created_at < until)
     if before is not None:
         stmt = stmt.where(_c.id < before)
+    if after is not None:
+        stmt = stmt.where(_c.id > after)
     if isinstance(state, str):
         stmt = stmt.where(_c.state == state)
     elif state is not None:
@@ -296,7 +298,7 @@ def _q_list_jobs(*, state: str | Sequence[str] | None, type: str | None, group: 
         stmt = stmt.where(_c.group_key == group)
     if since is not None:
         stmt = stmt.where(_c.created_at >= since)
-    return stmt.order_by(_c.id.desc()).limit(limit)
+    return stmt.order_by(_c.id.asc() if after is not None else _c.id.desc()).limit(limit)
 
 
 def _q_list_details(ids: Sequence[int]) -> sa.Select[Any]:

@@ -125,3 +125,34 @@ def test_hostile_error_progress_and_names_are_escaped_in_text_and_attributes(eng
         assert not re.search(r'title="[^"]*<', body), path  # no raw markup inside a title
     page = call(app, f"/jobs/{job}").body
     assert EVIL in _visible(page) and html.escape(EVIL) in page
+
+
+def test_job_list_pages_back_to_newer_jobs(engine: sa.Engine) -> None:
+    """From an older page, "newer jobs" leads to the page just above it (not only back to the
+    newest), and walking newer from the last page visits the same pages as walking older."""
+    ids = [jobq.enqueue(engine, "t", {}, group_key="paging") for _ in range(7)]
+    app = jobq_web.app(engine)
+
+    def page(query: str) -> tuple[list[int], str | None, str | None]:
+        body = call(app, "/jobs?group=paging&limit=3" + query).body
+        rows = [int(i) for i in re.findall(r'<tr><td><a href="/jobs/(\d+)">', body)]
+        older = re.search(r'id="older" href="([^"]*)"', body)
+        newer = re.search(r'id="newer" href="([^"]*)"', body)
+        return rows, html.unescape(older.group(1)) if older else None, html.unescape(newer.group(1)) if newer else None
+
+    first, older, newer = page("")
+    assert first == ids[:3:-1] and newer is None and older is not None
+    pages = [first]
+    while older is not None:
+        rows, older, newer = page("&" + older.split("&", 2)[2])
+        pages.append(rows)
+        assert newer == f"/jobs?group=paging&limit=3&after={rows[0]}"
+    assert pages == [ids[6:3:-1], ids[3:0:-1], ids[:1]]
+    back = []
+    while newer is not None:
+        rows, _, newer = page("&" + newer.split("&", 2)[2])
+        back.append(rows)
+    assert back == [ids[3:0:-1], ids[6:3:-1]]
+    data = call(app, f"/api/jobs?group=paging&limit=3&after={ids[0]}").json()
+    assert [j["id"] for j in data["jobs"]] == ids[3:0:-1] and data["newer_after"] == ids[3]
+    assert 'id="newest"' in call(app, f"/jobs?after={ids[0]}").body
