@@ -1100,7 +1100,7 @@ class Dashboard:
             ("ready: due / scheduled", f"{d['ready_due']} / {d['ready_scheduled']}"),
             ("suspended, holding no slot", f'<span id="suspended">{_e(d["suspended"])}</span>, '
                                            f'<span id="awaiting-signal">{_e(d["awaiting_signal"])}</span> waiting for a signal'),
-            ("next scheduled", _e(d["next_scheduled"]) or "-"),
+            ("next scheduled", _ago(d["next_scheduled"], now)),
             ("expired leases awaiting reclaim", str(d["expired_leases"])),
             ("global limit (stored, every worker)", _global_html(d["global_limit"])),
             ("database time", _e(now)),
@@ -1118,7 +1118,7 @@ class Dashboard:
         holders = _table(["worker", "group", "in flight"],
                          ([_e(h["worker"]), _e(h["group"]), _e(h["in_flight"])] for h in d["holders"]))
         fails = _table(["job", "type", "finished", "error"],
-                       ([f'<a href="{b}/jobs/{f["id"]}">{f["id"]}</a>', _e(f["type"]), _e(f["finished_at"]),
+                       ([f'<a href="{b}/jobs/{f["id"]}">{f["id"]}</a>', _e(f["type"]), _ago(f["finished_at"], now),
                          _e(_last_line(f["error"]))] for f in d["recent_failures"]))
         return (f"<h1>Overview</h1><div class=cards>{cards}</div>"
                 f"<h2>Finished per 5 minutes, last hour</h2>{_chart_svg(d['chart'])}"

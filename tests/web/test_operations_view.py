@@ -106,6 +106,10 @@ def test_times_are_relative_to_the_database_clock_with_utc_in_the_title(engine: 
         body = call(app, path).body
         assert re.search(r'<time datetime="(\S+Z)" title="\1">in (1h59m|2h00m)</time>', body), path
         assert re.search(r'<time datetime="(\S+Z)" title="\1">\d+\.\ds ago</time>', body), path
+    _fail(engine, "Boom: x")
+    overview = call(app, "/").body  # the next scheduled job and the recent failure
+    assert re.search(r'<dd><time datetime="(\S+Z)" title="\1">in (1h59m|2h00m)</time></dd>', overview)
+    assert re.search(r'</td><td><time datetime="(\S+Z)" title="\1">\d+\.\ds ago</time></td><td>Boom: x</td>', overview)
     now = jobq_web._dt.datetime(2026, 1, 1, 12, tzinfo=jobq_web._dt.UTC)
     assert jobq_web._ago(now.replace(tzinfo=None) - jobq_web._dt.timedelta(seconds=185), now) == (
         '<time datetime="2026-01-01T11:56:55Z" title="2026-01-01T11:56:55Z">3m05s ago</time>')
