@@ -134,8 +134,10 @@ def set_retention(engine: Engine, group_key: str | None = None, *, done: Any = N
     Args:
         engine: an Engine.
         group_key: a group, or None for the global policy.
-        done, failed, cancelled: a timedelta of at least one minute (and at most MAX_TIMEDELTA),
-            or :data:`UNLIMITED`.
+        done: how long done jobs are kept: a timedelta of at least one minute (and at most
+            MAX_TIMEDELTA), or :data:`UNLIMITED`.
+        failed: the same for failed jobs.
+        cancelled: the same for cancelled jobs.
 
     Returns:
         The policy as stored.
@@ -366,8 +368,10 @@ def bulk(engine: Engine, action: str, *, states: Sequence[str] | None = None, ty
         states: the states to match; each action takes only its own (retry: failed,
             cancelled; cancel: waiting, ready, leased, running, held; prune: done, failed,
             cancelled). Default: failed; waiting and ready; done.
-        type, group: exact names.
-        since, until: aware datetimes bounding the jobs' creation time.
+        type: a job type, matched exactly.
+        group: a group key, matched exactly.
+        since: an aware datetime: jobs created at or after it.
+        until: an aware datetime: jobs created before it.
         error: 1-200 characters.
         dry_run: count the matching jobs, change nothing, record nothing.
         actor: who asks (recorded in the audit log), 1-200 characters.

@@ -202,10 +202,15 @@ def schedule(
             (croniter). Exactly one of ``every`` and ``cron`` must be given.
         start: ``every`` only: an aware datetime anchoring the slots (default: now). The first
             run is the first slot after now (by default one interval from now).
-        args, group_key, weight, max_attempts, timeout, priority, unique_key: the job each slot
-            enqueues, checked as :func:`enqueue` checks them. With ``unique_key``, a slot whose
-            key an unfinished job of an earlier slot still holds enqueues nothing (the slot
-            counts as fired): runs never overlap.
+        args: the arguments of the job each slot enqueues. This and the job fields below are
+            checked as :func:`enqueue` checks them.
+        group_key: the job's group.
+        weight: the job's weight in its group's fair share.
+        max_attempts: the job's attempts (None: the handler's RetryPolicy, else 3).
+        timeout: the job's timeout in seconds.
+        priority: the job's priority.
+        unique_key: with it, a slot whose key an unfinished job of an earlier slot still holds
+            enqueues nothing (the slot counts as fired): runs never overlap.
 
     Returns:
         The schedule as stored.

@@ -7463,10 +7463,15 @@ def schedule(
             (croniter). Exactly one of ``every`` and ``cron`` must be given.
         start: ``every`` only: an aware datetime anchoring the slots (default: now). The first
             run is the first slot after now (by default one interval from now).
-        args, group_key, weight, max_attempts, timeout, priority, unique_key: the job each slot
-            enqueues, checked as :func:`enqueue` checks them. With ``unique_key``, a slot whose
-            key an unfinished job of an earlier slot still holds enqueues nothing (the slot
-            counts as fired): runs never overlap.
+        args: the arguments of the job each slot enqueues. This and the job fields below are
+            checked as :func:`enqueue` checks them.
+        group_key: the job's group.
+        weight: the job's weight in its group's fair share.
+        max_attempts: the job's attempts (None: the handler's RetryPolicy, else 3).
+        timeout: the job's timeout in seconds.
+        priority: the job's priority.
+        unique_key: with it, a slot whose key an unfinished job of an earlier slot still holds
+            enqueues nothing (the slot counts as fired): runs never overlap.
 
     Returns:
         The schedule as stored.
@@ -8451,8 +8456,10 @@ def set_retention(engine: Engine, group_key: str | None = None, *, done: Any = N
     Args:
         engine: an Engine.
         group_key: a group, or None for the global policy.
-        done, failed, cancelled: a timedelta of at least one minute (and at most MAX_TIMEDELTA),
-            or :data:`UNLIMITED`.
+        done: how long done jobs are kept: a timedelta of at least one minute (and at most
+            MAX_TIMEDELTA), or :data:`UNLIMITED`.
+        failed: the same for failed jobs.
+        cancelled: the same for cancelled jobs.
 
     Returns:
         The policy as stored.
@@ -8683,8 +8690,10 @@ def bulk(engine: Engine, action: str, *, states: Sequence[str] | None = None, ty
         states: the states to match; each action takes only its own (retry: failed,
             cancelled; cancel: waiting, ready, leased, running, held; prune: done, failed,
             cancelled). Default: failed; waiting and ready; done.
-        type, group: exact names.
-        since, until: aware datetimes bounding the jobs' creation time.
+        type: a job type, matched exactly.
+        group: a group key, matched exactly.
+        since: an aware datetime: jobs created at or after it.
+        until: an aware datetime: jobs created before it.
         error: 1-200 characters.
         dry_run: count the matching jobs, change nothing, record nothing.
         actor: who asks (recorded in the audit log), 1-200 characters.
