@@ -10092,11 +10092,14 @@ class _WorkerCore:
     def _safe_tick(self) -> int:
         try:
             failures = self._db_failures
+            if time.monotonic() >= self._next_retention:
+                # Before the claim, not after it: after, it ran while the handler threads forked
+                # this tick's processes, and a child forked while this thread was inside the
+                # database driver could inherit its lock held and hang.
+                self._retention()
             started = self._tick()
             if self._db_failures == failures:
                 self._db_failures = 0  # a clean tick: the database is back
-            if time.monotonic() >= self._next_retention:
-                self._retention()
             return started
         except _DB_FAULTS as exc:
             self._db_error(exc)
