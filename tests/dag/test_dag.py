@@ -256,8 +256,9 @@ def _waiting_on_a_lock(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
             q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        else:  # InnoDB, MySQL and MariaDB alike
-            q = "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+        else:  # InnoDB, MySQL and MariaDB alike; the server's other databases (xdist workers, other sessions) left out
+            q = ("SELECT count(*) FROM information_schema.innodb_trx t JOIN information_schema.processlist p "
+                 "ON p.id = t.trx_mysql_thread_id WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()")
         return int(conn.execute(sa.text(q)).scalar() or 0)
 
 
