@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import sys
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,9 @@ _jq: Any = jobq
 __all__ = ["Dashboard", "app", "serve"]
 
 logger = logging.getLogger("jobq.web")
+#: One line per request served by :func:`serve` (INFO): client, method, path, status and
+#: milliseconds, with the same as ``extra`` keys; route or silence it by this name.
+access_logger = logging.getLogger("jobq.web.access")
 
 #: Rows per page of /jobs (``?limit=`` may ask for up to 500).
 PAGE_SIZE = 50
@@ -1466,6 +1470,52 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+#: Query parameters whose values the request log never shows (matched in the name, any case).
+_SECRET_PARAM = re.compile(r"token|pass|secret|csrf|auth|session|api.?key|signature", re.IGNORECASE)
+_SECRET_VALUE = re.compile(r"([\w.-]*(?:token|pass|secret|csrf|auth|session|api.?key|signature)[\w.-]*)=[^&\s'\"]*",
+                           re.IGNORECASE)
+
+
+def _request_target(environ: Mapping[str, Any]) -> str:
+    """The path and query of a request for the log: percent-encoded (no control character can
+    split the line), with the value of every parameter whose name suggests a secret as ``***``."""
+    path = urllib.parse.quote(_wsgi_text(environ.get("SCRIPT_NAME")) + (_wsgi_text(environ.get("PATH_INFO")) or "/"),
+                              safe="/:@!$&'()*+,;=~")
+    pairs = urllib.parse.parse_qsl(_wsgi_text(environ.get("QUERY_STRING")), keep_blank_values=True)
+    query = urllib.parse.urlencode([(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*")
+    return path + (f"?{query}" if query else "")
+
+
+def _access_log(wsgi: Dashboard) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
+    """``wsgi`` writing one INFO line per request to :data:`access_logger`: client address,
+    method, path and query (secrets masked, see :func:`_request_target`), status and the time
+    to the response in milliseconds. The request's body, headers and cookies are never logged,
+    and the dashboard's token and the database URL's password are masked wherever they appear."""
+    secrets = [*wsgi._secrets, *([wsgi.token] if wsgi.token else [])]
+
+    def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        start = time.perf_counter()
+        status: list[int] = []
+
+        def recording(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            status.append(int(line.split()[0]))
+            return start_response(line, headers, exc_info) if exc_info is not None else start_response(line, headers)
+
+        try:
+            return wsgi(environ, recording)
+        finally:
+            ms = (time.perf_counter() - start) * 1000
+            method = _CONTROL.sub("?", str(environ.get("REQUEST_METHOD", "-")))[:16]
+            target = _jq._scrub(_request_target(environ), secrets)
+            client = str(environ.get("REMOTE_ADDR", "-"))
+            code = status[-1] if status else 500
+            access_logger.info("%s %s %s %d %.1fms", client, method, target, code, ms,
+                               extra={"action": "http_request", "client": client, "method": method, "path": target,
+                                      "status": code, "duration_ms": round(ms, 1)})
+
+    return logged
+
+
 def serve(engine: sa.Engine, *, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
           hide_args: bool = False, ready: Callable[[str], None] | None = None) -> None:
     """Serve the dashboard with the standard library's threaded WSGI server until interrupted.
@@ -1485,10 +1535,16 @@ def serve(engine: sa.Engine, *, host: str = "127.0.0.1", port: int = 8080, token
         daemon_threads = True
 
     class _Quiet(WSGIRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.info("%s %s", self.address_string(), format % args)
+        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+            pass  # _access_log writes the request's line, without its query's secrets
 
-    wsgi = app(engine, token=token, hide_args=hide_args)
+        def log_message(self, format: str, *args: Any) -> None:  # a malformed request: its line may hold anything
+            text = _SECRET_VALUE.sub(r"\1=***", _jq._one_line(format % args))
+            logger.info("%s %s", self.address_string(), _jq._scrub(text, secrets))
+
+    dashboard = app(engine, token=token, hide_args=hide_args)
+    secrets = [*dashboard._secrets, *([token] if token else [])]
+    wsgi = _access_log(dashboard)
     httpd = make_server(host, port, wsgi, server_class=_Server, handler_class=_Quiet)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{httpd.server_port}/"
     if not _is_loopback(host) and not token:

@@ -11915,6 +11915,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", type=_token, default=os.environ.get("JOBQ_DASHBOARD_TOKEN") or None,
                    help="allow retry/cancel/pause with this token (default: $JOBQ_DASHBOARD_TOKEN; none: read-only)")
     p.add_argument("--hide-args", action="store_true", help="never show job arguments")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="info (the default) logs one line per request; warning: errors only")
     return parser
 
 
@@ -12319,6 +12321,10 @@ def _run_command(ns: argparse.Namespace, engine: Engine, secrets: Sequence[str])
             print(text)
     elif cmd == "serve":
         web = _dashboard()
+        handler = logging.StreamHandler()
+        handler.setFormatter(_ScrubbingFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                                 [*secrets, *([ns.token] if ns.token else [])]))
+        logging.basicConfig(level=getattr(logging, ns.log_level.upper()), handlers=[handler])
         try:
             web.serve(engine, host=ns.host, port=ns.port, token=ns.token, hide_args=ns.hide_args)
         except OSError as exc:  # the address is taken, or not this machine's

@@ -14,9 +14,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def running_server(url: str, *argv: str) -> Iterator[tuple[str, str]]:
+def running_server(url: str, *argv: str, log: list[str] | None = None) -> Iterator[tuple[str, str]]:
     """`python jobq.py --url URL serve ARGV`: yields (its base URL, what it printed before
-    listening), then stops it with SIGINT (as Ctrl-C) and checks it exited cleanly."""
+    listening), then stops it with SIGINT (as Ctrl-C) and checks it exited cleanly; ``log``, if
+    given, receives the lines it wrote to stderr after listening (its request log)."""
     proc = subprocess.Popen([*JOBQ_CLI, "--url", url, "serve", *argv],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
@@ -32,8 +33,11 @@ def running_server(url: str, *argv: str) -> Iterator[tuple[str, str]]:
         yield base, "".join(lines)
     finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=30)
+        try:  # read what it writes while it stops: a full pipe would block it
+            rest = proc.communicate(timeout=30)[1] or ""
+            code = proc.returncode
+            if log is not None:
+                log.extend(rest.splitlines())
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
