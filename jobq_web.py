@@ -11,7 +11,8 @@ framework (see docs/guides/dashboard.md).
 Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list with filters and
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
 ``/groups``, ``/schedules`` (recurring jobs); ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
-``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``)
+``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``;
+``/groups/policy?group=<name>`` with ``weight``, ``cap``, ``rate``; each change of a group in the audit log)
 need the token (a session cookie from ``/login``, or ``Authorization: Bearer <token>``) and,
 with the cookie, a CSRF field; without a token the dashboard is read-only. A GET of an
 action's address offers the action as a button (where signing in after a refused one leads).
@@ -739,7 +740,7 @@ class Dashboard:
         if not api and parts in (["metrics"], ["healthz"]) and not post:
             return self._metrics() if parts == ["metrics"] else _healthz(self.engine)
         job_action = len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("retry", "cancel")
-        group_action = len(parts) >= 2 and parts[0] == "groups" and parts[-1] in ("pause", "resume")
+        group_action = len(parts) >= 2 and parts[0] == "groups" and parts[-1] in ("pause", "resume", "policy")
         if parts == ["signals", "send"]:  # a signal: ?key=K (&job=ID, the page to return to)
             return self._signal_action(req) if post else self._offer_signal(req)
         if parts == ["jobs", "bulk-retry"]:
@@ -747,6 +748,8 @@ class Dashboard:
         if post:
             if job_action:
                 return self._job_action(req, _job_id(parts[1]), parts[2])
+            if group_action and parts[-1] == "policy":
+                return self._group_policy_action(req, _group_name(req, parts))
             if group_action:
                 return self._group_action(req, _group_name(req, parts), parts[-1])
             raise _HttpError(405 if self._known_get(parts, api) else 404, f"no action at {req.path}")
@@ -754,6 +757,8 @@ class Dashboard:
             raise _HttpError(405, "actions are POST requests")
         if job_action:  # where signing in after a refused action leads: the action offered again
             return self._offer_job_action(req, _job_id(parts[1]), parts[2])
+        if group_action and parts[-1] == "policy":
+            return self._offer_group_policy(req, _group_name(req, parts))
         if group_action:
             return self._offer_group_action(req, _group_name(req, parts), parts[-1])
         if parts in ([], ["overview"]) and (api or not parts):
@@ -881,14 +886,62 @@ class Dashboard:
 
     def _group_action(self, req: _Request, group: str, action: str) -> _Response:
         self._authorize(req)
-        try:
-            jobq.set_group(self.engine, group, paused=action == "pause")
-        except (jobq.InvalidJob, jobq.ConfigError) as exc:
-            raise _HttpError(400, _jq._one_line(exc)) from None
+        self._set_group(group, f"group_{action}", {}, paused=action == "pause")
         message = f"group {group}: {action}d"
         if req.wants_json:
             return self._json({"group": group, "action": action, "message": message})
         return _redirect(f"{req.base}/groups?{urllib.parse.urlencode({'done': message})}")
+
+    def _set_group(self, group: str, action: str, details: Mapping[str, Any], **change: Any) -> Any:
+        """jobq.set_group(group, **change) and its audit entry (``action``, the group and
+        ``details``) in one transaction: both or neither. A bad name or value is a 400."""
+        def run(conn: sa.Connection, d: Any) -> Any:
+            policy = jobq.set_group(conn, group, **change)
+            _jq._record_audit(conn, d, "dashboard", action, {"group": policy.group_key, **details}, 1)
+            return policy
+
+        try:
+            return _jq._transaction(self.engine, run)
+        except (jobq.InvalidJob, jobq.ConfigError) as exc:
+            raise _HttpError(400, _jq._one_line(exc)) from None
+
+    def _group_policy_action(self, req: _Request, group: str) -> _Response:
+        """``POST /groups/policy?group=NAME`` with ``weight``, ``cap``, ``rate`` (form fields;
+        empty keeps the stored value, ``none`` removes a cap or rate): jobq.set_group, audited."""
+        self._authorize(req)
+        change, details = _policy_change(req.form())
+        policy = self._set_group(group, "group_policy", details, **change)
+        message = f"group {group}: {_policy_text(_plain(policy))}"
+        logger.info("jobq dashboard: %s", message)
+        if req.wants_json:
+            return self._json({"group": group, "action": "policy", "policy": _plain(policy), "message": message})
+        return _redirect(f"{req.base}/groups?{urllib.parse.urlencode({'done': message})}")
+
+    def _offer_group_policy(self, req: _Request, group: str) -> _Response:
+        """The page at the policy action's address (a GET): the group's stored policy and the
+        form that changes it (prefilled with the stored values)."""
+        try:
+            policy = jobq.get_group(self.engine, group)
+        except jobq.InvalidJob as exc:
+            raise _HttpError(400, _jq._one_line(exc)) from None
+        p = _plain(policy) if policy is not None else {"weight": None, "max_in_flight": None, "rate_limit": None}
+        rate = p["rate_limit"]
+        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
+        query = _e(urllib.parse.urlencode({"group": group}))
+        b = _e(req.base)
+        body = (f"<h1>Policy of group {_e(group)}</h1>"
+                f'<p id="group-policy">stored: {_e(_policy_text(p)) if policy is not None else "nothing (defaults)"}</p>'
+                f'<form class="filters" method="post" action="{b}/groups/policy?{query}">{csrf}'
+                f'<label>weight (1 or more)<input name="weight" id="weight" value="{_e(p["weight"])}"></label>'
+                f'<label>cap: most in flight (a number, or none)<input name="cap" id="cap" '
+                f'value="{_e("none" if p["max_in_flight"] is None else p["max_in_flight"])}"></label>'
+                f'<label>rate: N/PERIOD (10/1m, 5/30s), or none<input name="rate" id="rate" '
+                f'value="{_e("none" if rate is None else f"{rate[0]}/{rate[1]:g}s")}"></label>'
+                '<button type="submit" id="save-policy">Save</button></form>'
+                '<p class="muted">An empty field keeps the stored value; <code>none</code> removes the cap or the '
+                "rate. The change applies from the next claim on every worker, and is recorded in the audit log.</p>"
+                f'<p><a href="{b}/jobs?{query}">its jobs</a> &middot; <a href="{b}/groups">all groups</a></p>')
+        return self._page(req, f"Policy of group {group}", body, "/groups")
 
     def _bulk_form(self, req: _Request, f: Mapping[str, Any]) -> str:
         """The jobs page's "Retry all failed" button for its filter (state failed, or any)."""
@@ -1198,7 +1251,9 @@ class Dashboard:
         rows = []
         for g in d["groups"]:
             name = urllib.parse.quote(g["group"], safe="")
-            button = self._group_button(req, g["group"], "resume" if g["paused"] else "pause") if can_act else ""
+            button = (self._group_button(req, g["group"], "resume" if g["paused"] else "pause")
+                      + f' <a class="edit" href="{b}/groups/policy?{_e(urllib.parse.urlencode({"group": g["group"]}))}">'
+                      "edit policy</a>") if can_act else ""
             rows.append([f'<a href="{b}/jobs?group={_e(name)}">{_e(g["group"])}</a>', _num(g["weight"]), _e(g["due"]),
                          _e(g["ready"]), _e(g["in_flight"]), _num(g["cap"]), _num(g["rate"]), _paused(g["paused"]),
                          _e(g["starts_last_hour"]), _share(g["served_share"]), _share(g["weight_share"])]
@@ -1297,11 +1352,12 @@ def _schedules_html(req: _Request, d: Mapping[str, Any]) -> str:
 
 
 def _audit_html(entries: Sequence[Mapping[str, Any]]) -> str:
-    """The audit log page: bulk actions, newest first, escaped."""
+    """The audit log page: bulk actions and the dashboard's changes, newest first, escaped."""
     rows = ([_e(x["id"]), _e(x["at"]), _e(x["actor"]), _e(x["action"]), _e(x["count"]),
              _e(json.dumps({k: v for k, v in x["filter"].items() if v is not None}, sort_keys=True))] for x in entries)
-    return ("<h1>Audit log</h1><p class=muted>Bulk actions (retry, cancel, prune by filter), newest first.</p>"
-            + _table(["id", "at", "who", "action", "jobs", "filter"], rows, "audit"))
+    return ("<h1>Audit log</h1><p class=muted>Bulk actions (retry, cancel, prune by filter; jobs: how many they "
+            "applied to) and the dashboard's changes to groups and schedules (what was set), newest first.</p>"
+            + _table(["id", "at", "who", "action", "jobs", "filter or change"], rows, "audit"))
 
 
 def _log_html(lines: Sequence[Mapping[str, Any]]) -> str:
@@ -1384,9 +1440,59 @@ def _group_name(req: _Request, parts: list[str]) -> str:
         if not values:
             raise _HttpError(400, f"name the group: /groups/{parts[1]}?group=NAME")
         return values[-1]
-    found = re.fullmatch(r"/*(?:api/+)?groups/(.+)/(?:pause|resume)/*", req.path, re.DOTALL)
+    found = re.fullmatch(r"/*(?:api/+)?groups/(.+)/(?:pause|resume|policy)/*", req.path, re.DOTALL)
     assert found is not None  # parts[0] == "groups" and parts[-1] is the action
     return found.group(1)
+
+
+#: What the policy form's cap and rate take to remove that limit.
+_NONE_WORDS = ("none", "unlimited")
+
+
+def _policy_change(form: Mapping[str, list[str]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The group policy form's fields as jobq.set_group's arguments, and the same for the audit
+    log: ``weight`` (a whole number), ``cap`` (a whole number, or none) and ``rate`` (N/PERIOD,
+    or none); an empty field keeps the stored value. Anything else is a 400 naming the field;
+    set_group checks the ranges (and refuses before writing anything)."""
+    change: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+
+    def field(name: str) -> str:
+        v = ((form.get(name) or [""])[-1]).strip()
+        if len(v) > 40 or _CONTROL.search(v) or not v.isascii():
+            raise _HttpError(400, f"{name}: at most 40 ASCII characters, no control character, got {v[:40]!r}")
+        return v
+
+    weight, cap, rate = field("weight"), field("cap"), field("rate")
+    if weight:
+        n = _ascii_int(weight)
+        if n is None:
+            raise _HttpError(400, f"weight must be a whole number of at least 1, got {weight!r}")
+        change["weight"] = details["weight"] = n
+    if cap.lower() in _NONE_WORDS:
+        change["max_in_flight"], details["max_in_flight"] = jobq.UNLIMITED, "none"
+    elif cap:
+        n = _ascii_int(cap)
+        if n is None:
+            raise _HttpError(400, f"cap must be a whole number of at least 1, or none, got {cap!r}")
+        change["max_in_flight"] = details["max_in_flight"] = n
+    if rate.lower() in _NONE_WORDS:
+        change["rate_limit"], details["rate_limit"] = jobq.UNLIMITED, "none"
+    elif rate:
+        if not re.fullmatch(r"[0-9]+/[0-9]+(?:\.[0-9]+)?[a-z]*", rate):
+            raise _HttpError(400, f"rate must look like N/PERIOD (10/1m, 5/30s, 100/1h), or none, got {rate!r}")
+        change["rate_limit"] = details["rate_limit"] = rate
+    if not change:
+        raise _HttpError(400, "nothing to change: give a weight, a cap or a rate")
+    return change, details
+
+
+def _policy_text(p: Mapping[str, Any]) -> str:
+    """A stored group policy in words: "weight 3, cap 2, rate 10/60s" (none where unset)."""
+    rate = p.get("rate_limit")
+    return (f'weight {"none" if p.get("weight") is None else p["weight"]}, '
+            f'cap {"none" if p.get("max_in_flight") is None else p["max_in_flight"]}, '
+            f'rate {"none" if rate is None else f"{rate[0]}/{rate[1]:g}s"}')
 
 
 def _cancel_badge(state: str, cancel_requested: bool) -> str:

@@ -288,9 +288,12 @@ class BulkResult:
 
 @dataclasses.dataclass(frozen=True)
 class AuditEntry:
-    """One bulk action, as :func:`audit_log` returns it: ``at`` (aware UTC), ``actor`` (who),
-    ``action``, ``filter`` (the filter as JSON: states, type, group, since, until, error) and
-    ``count`` (jobs it applied to)."""
+    """One audited action, as :func:`audit_log` returns it: ``at`` (aware UTC), ``actor`` (who),
+    ``action``, ``filter`` and ``count``. For a bulk action ("retry", "cancel", "prune"),
+    ``filter`` is its filter as JSON (states, type, group, since, until, error) and ``count``
+    the jobs it applied to; for the dashboard's changes ("group_policy", "group_pause",
+    "group_resume", "schedule_pause", "schedule_resume"), ``filter`` names the group or the
+    schedule and the values set, and ``count`` is 1."""
 
     id: int
     at: _dt.datetime
@@ -418,17 +421,21 @@ def bulk(engine: Engine, action: str, *, states: Sequence[str] | None = None, ty
                     pass  # changed meanwhile, deleted, or refused by the one-job rules: skipped
     skipped = max(0, matched - applied)
 
-    def record(conn: Connection, d: _Dialect) -> None:
-        conn.execute(_q_insert_audit(d.db_now(conn), actor, action, f.as_json(), applied))
-
-    _transaction(engine, record)
+    _transaction(engine, lambda conn, d: _record_audit(conn, d, actor, action, f.as_json(), applied))
     logger.info("bulk %s by %s: %d of %d matching job(s)", action, actor, applied, matched,
                 extra={"action": f"bulk_{action}"})
     return BulkResult(action, matched, applied, skipped, reopened, False)
 
 
+def _record_audit(conn: Connection, d: _Dialect, actor: str, action: str, details: dict[str, Any], count: int) -> None:
+    """One row of the audit log, in the caller's transaction (so it commits with the change it
+    records): ``details`` is what the action applied to (a bulk filter, a group's new policy)."""
+    conn.execute(_q_insert_audit(d.db_now(conn), actor, action, details, count))
+
+
 def audit_log(engine: Engine, *, limit: int = 100) -> list[AuditEntry]:
-    """The newest bulk actions first (at most ``limit``, 1 .. 10,000).
+    """The newest audit entries first (at most ``limit``, 1 .. 10,000): bulk actions, and the
+    dashboard's changes to a group's policy and to schedules.
 
     Raises:
         ConfigError: a bad limit.

@@ -533,10 +533,16 @@ def test_serve_binds_loopback_and_warns_elsewhere_without_a_token(tmp_path: path
 
 def test_the_seams_call_jobq_apis_where_they_exist(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where jobq has set_group and attempts (added by other work), the dashboard uses them:
-    pause goes through jobq.set_group, and the job page lists the attempt history."""
+    pause goes through jobq.set_group (on a connection of the dashboard's engine: the pause and
+    its audit entry commit together), and the job page lists the attempt history."""
     job = failed_job(engine, group_key="tenant-a")
     calls: list[tuple[object, ...]] = []
-    monkeypatch.setattr(jobq, "set_group", lambda e, g, *, paused: calls.append((e, g, paused)), raising=False)
+
+    def set_group(e: sa.Connection, g: str, *, paused: bool) -> jobq.GroupPolicy:
+        calls.append((e.engine, g, paused))
+        return jobq.GroupPolicy(g, None, None, None, paused, dt.datetime.now(dt.UTC))
+
+    monkeypatch.setattr(jobq, "set_group", set_group, raising=False)
     monkeypatch.setattr(jobq, "attempts", lambda e, i: [{"attempt": 1, "error": "<b>boom</b>"}], raising=False)
     app = jobq_web.app(engine, token=TOKEN)
     r = call(app, "/groups/tenant-a/pause", "POST", headers={"Authorization": f"Bearer {TOKEN}"})
