@@ -12,7 +12,8 @@ Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list wit
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
 ``/groups``, ``/schedules`` (recurring jobs); ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
 ``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``;
-``/groups/policy?group=<name>`` with ``weight``, ``cap``, ``rate``; each change of a group in the audit log)
+``/groups/policy?group=<name>`` with ``weight``, ``cap``, ``rate``; ``/schedules/pause?name=<name>``,
+``/schedules/resume?name=<name>``; each change of a group or schedule in the audit log)
 need the token (a session cookie from ``/login``, or ``Authorization: Bearer <token>``) and,
 with the cookie, a CSRF field; without a token the dashboard is read-only. A GET of an
 action's address offers the action as a button (where signing in after a refused one leads).
@@ -745,6 +746,12 @@ class Dashboard:
             return self._signal_action(req) if post else self._offer_signal(req)
         if parts == ["jobs", "bulk-retry"]:
             return self._bulk_retry(req, post)
+        if parts in (["schedules", "pause"], ["schedules", "resume"]):
+            if post:
+                return self._schedule_action(req, parts[1])
+            if req.wants_json or self.token is None:
+                raise _HttpError(405, "actions are POST requests")
+            return self._offer_schedule_action(req, parts[1])
         if post:
             if job_action:
                 return self._job_action(req, _job_id(parts[1]), parts[2])
@@ -784,7 +791,9 @@ class Dashboard:
             return self._json(data) if api else self._page(req, "Groups", self._groups_html(req, data), "/groups")
         if parts == ["schedules"]:
             data = schedule_list(self.engine, hide_args=self.hide_args)
-            return self._json(data) if api else self._page(req, "Schedules", _schedules_html(req, data), "/schedules")
+            button = (lambda name, action: self._schedule_button(req, name, action)) if self.token else None
+            return self._json(data) if api else self._page(req, "Schedules", _schedules_html(req, data, button),
+                                                           "/schedules")
         raise _HttpError(404, f"no page at {req.path}")
 
     @staticmethod
@@ -942,6 +951,56 @@ class Dashboard:
                 "rate. The change applies from the next claim on every worker, and is recorded in the audit log.</p>"
                 f'<p><a href="{b}/jobs?{query}">its jobs</a> &middot; <a href="{b}/groups">all groups</a></p>')
         return self._page(req, f"Policy of group {group}", body, "/groups")
+
+    # ---- schedules: pause and resume (jobq.pause_schedule, resume_schedule), audited
+
+    def _schedule_name(self, req: _Request) -> str:
+        name = _name_arg(req, "name")
+        if not name:
+            raise _HttpError(400, "name the schedule: /schedules/pause?name=NAME")
+        return name
+
+    def _schedule_action(self, req: _Request, action: str) -> _Response:
+        """``POST /schedules/pause?name=NAME`` (or resume): the change and its audit entry
+        (``schedule_pause`` / ``schedule_resume``) in one transaction; 404 for no such schedule."""
+        self._authorize(req)
+        name = self._schedule_name(req)
+        change = jobq.pause_schedule if action == "pause" else jobq.resume_schedule
+
+        def run(conn: sa.Connection, d: Any) -> Any:
+            info = change(conn, name)
+            _jq._record_audit(conn, d, "dashboard", f"schedule_{action}", {"schedule": info.name}, 1)
+            return info
+
+        try:
+            info = _jq._transaction(self.engine, run)
+        except jobq.InvalidJob as exc:  # the name passed _name_arg: what is left is "no such schedule"
+            raise _HttpError(404, _jq._one_line(exc)) from None
+        message = f"schedule {name}: {action}d" + (f", next slot {_jq._iso(info.next_run_at)}" if action == "resume" else "")
+        logger.info("jobq dashboard: %s", message)
+        if req.wants_json:
+            return self._json({"schedule": name, "action": action, "paused": info.paused, "message": message})
+        return _redirect(f"{req.base}/schedules?{urllib.parse.urlencode({'done': message})}")
+
+    def _offer_schedule_action(self, req: _Request, action: str) -> _Response:
+        """The page at a schedule action's address (a GET): its state and the button; signing in
+        after a refused action lands here."""
+        name = self._schedule_name(req)
+        found = [s for s in jobq.schedules(self.engine) if s.name == name]
+        if not found:
+            raise _HttpError(404, f"no schedule named {name!r}")
+        body = (f"<h1>{action.capitalize()} schedule {_e(name)}</h1>"
+                f'<p id="schedule-state">schedule {_e(name)} is {_paused(found[0].paused)}.</p>'
+                f"<p>{self._schedule_button(req, name, action, action)}</p>"
+                f'<p><a href="{_e(req.base)}/schedules">all schedules</a></p>')
+        return self._page(req, f"{action.capitalize()} schedule {name}", body, "/schedules")
+
+    def _schedule_button(self, req: _Request, name: str, action: str, button_id: str = "") -> str:
+        csrf = f'<input type="hidden" name="csrf" value="{self._csrf()}">' if self._session_ok(req) else ""
+        query = _e(urllib.parse.urlencode({"name": name}))
+        ident = f' id="{button_id}"' if button_id else ""
+        return (f'<form class="inline" method="post" action="{_e(req.base)}/schedules/{action}?{query}">{csrf}'
+                f'<button type="submit"{ident}>{action}</button></form>')
 
     def _bulk_form(self, req: _Request, f: Mapping[str, Any]) -> str:
         """The jobs page's "Retry all failed" button for its filter (state failed, or any)."""
@@ -1337,18 +1396,23 @@ def schedule_list(engine: sa.Engine, *, hide_args: bool = False) -> dict[str, An
                           | ({"args": None} if hide_args else {}) for s in found]}
 
 
-def _schedules_html(req: _Request, d: Mapping[str, Any]) -> str:
+def _schedules_html(req: _Request, d: Mapping[str, Any], button: Callable[[str, str], str] | None = None) -> str:
+    """The Schedules page; ``button(name, action)`` draws a schedule's pause or resume button
+    (None on a read-only dashboard: no action column)."""
     b = _e(req.base)
     rows = ([_e(s["name"]), f'<a href="{b}/jobs?type={_e(urllib.parse.quote(s["type"]))}">{_e(s["type"])}</a>',
              _e(s["group_key"]), _e(f"cron {s['cron']} (UTC)" if s["cron"] else f"every {_jq._span(s['every'])}"),
              _e(s["next_run_at"]), _e(s["last_run_at"] or "-"),
              f'<a href="{b}/jobs/{int(s["last_job_id"])}">{int(s["last_job_id"])}</a>' if s["last_job_id"] else "-",
-             _e(s["runs"]), _num(s["paused"])] for s in d["schedules"])
-    table = _table(["name", "type", "group", "timing", "next slot", "last slot", "last job", "runs", "paused"], rows,
-                   "schedules")
+             _e(s["runs"]), _paused(s["paused"])]
+            + ([button(s["name"], "resume" if s["paused"] else "pause")] if button else []) for s in d["schedules"])
+    table = _table(["name", "type", "group", "timing", "next slot", "last slot", "last job", "runs", "paused"]
+                   + (["action"] if button else []), rows, "schedules")
     return ('<h1>Schedules</h1><p class="muted">Recurring jobs: each slot is enqueued once by the first worker '
-            "that sees it due; after downtime, one job for the latest missed slot. Pause, resume and remove with "
-            "<code>jobq schedule NAME --pause|--resume|--remove</code>.</p>" + table)
+            "that sees it due; after downtime, one job for the latest missed slot. A resumed schedule starts from "
+            "its first slot after now (the slots that fell while it was paused are skipped). Pause and resume here "
+            "with the token (recorded in the audit log), or with <code>jobq schedule NAME --pause|--resume|--remove"
+            "</code>.</p>" + table)
 
 
 def _audit_html(entries: Sequence[Mapping[str, Any]]) -> str:
