@@ -1455,6 +1455,24 @@ def _q_finished_buckets(since: _dt.datetime, step: _dt.timedelta, n: int) -> sa.
     return sa.select(_c.state, *spans).where(_state_is(*TERMINAL), _c.finished_at >= since).group_by(_c.state)
 
 
+def _q_type_finishes(since: _dt.datetime, limit: int) -> sa.Select[Any]:
+    """The newest jobs finished since ``since``, at most ``limit``, newest first: type, final
+    state, last start and finish (the dashboard's per-type page). One range read of
+    ix_jobs_finished, backwards from now and stopped at ``limit``: its cost is capped whatever
+    the history or the window's traffic."""
+    return (sa.select(_c.type, _c.state, _c.started_at, _c.finished_at)
+            .where(_state_is(*TERMINAL), _c.finished_at >= since)
+            .order_by(_c.finished_at.desc()).limit(limit))
+
+
+def _q_live_by_type() -> sa.CompoundSelect[Any]:
+    """Per type and state: the ready jobs (through the ready index) and the jobs in flight
+    (ix_jobs_in_flight); their cost follows the live rows, never the history."""
+    cols = (_c.type, _c.state, sa.func.count())
+    return sa.union_all(sa.select(*cols).where(_state_is("ready")).group_by(_c.type, _c.state),
+                        sa.select(*cols).where(_c.in_flight == _TRUE).group_by(_c.type, _c.state))
+
+
 def _q_count_by_state() -> sa.Select[Any]:
     """Every job per state: a full scan (stats(totals=True) only)."""
     return sa.select(_c.state, sa.func.count()).group_by(_c.state)

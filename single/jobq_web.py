@@ -10,7 +10,8 @@ framework (see docs/guides/dashboard.md).
 
 Pages (each with a JSON twin under ``/api``): ``/`` overview, ``/jobs`` list with filters and
 paging, ``/jobs/<id>`` one job (why it is not running, its DAG neighbourhood as SVG), and
-``/groups``, ``/schedules`` (recurring jobs); ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
+``/groups``, ``/types`` (per job type: runtime and failure rate over the last hour and day),
+``/schedules`` (recurring jobs); ``/metrics`` (Prometheus) and ``/healthz`` (200, or 503 with the reason). Actions (POST ``/jobs/<id>/retry``, ``/jobs/<id>/cancel``,
 ``/groups/pause?group=<name>``, ``/groups/resume?group=<name>``, or ``/groups/<name>/pause``;
 ``/groups/policy?group=<name>`` with ``weight``, ``cap``, ``rate``; ``/schedules/pause?name=<name>``,
 ``/schedules/resume?name=<name>``; each change of a group or schedule in the audit log)
@@ -65,6 +66,10 @@ _COUNT_CAP = 10_000
 #: The overview's chart: finished jobs over the last hour, in 12 spans of 5 minutes.
 _CHART_STEP = _dt.timedelta(minutes=5)
 _CHART_SPANS = 12
+#: The per-type page's windows (name, length), and the most finished jobs it reads for them: the
+#: newest first, so a window with more finishes is summarised from its newest ones (and says so).
+TYPE_WINDOWS = (("1h", _dt.timedelta(hours=1)), ("24h", _dt.timedelta(hours=24)))
+TYPE_SAMPLE = 10_000
 #: Jobs shown in a job's DAG picture at most.
 _GRAPH_LIMIT = 60
 _SESSION_COOKIE = "jobq_session"
@@ -244,6 +249,67 @@ def job_detail(engine: sa.Engine, job_id: int, *, hide_args: bool) -> dict[str, 
                                   "is_container": bool(n.is_container)} for n in nodes],
                        "edges": [list(e) for e in edges]})
     return data
+
+
+def _nearest_rank(sorted_values: Sequence[float], percent: int) -> float | None:
+    """The ``percent`` percentile (1-100) of ascending values by nearest rank (the value at
+    rank ceil(percent/100 * n)); None if empty."""
+    if not sorted_values:
+        return None
+    return sorted_values[max(1, -(-percent * len(sorted_values) // 100)) - 1]
+
+
+def type_page(engine: sa.Engine) -> dict[str, Any]:
+    """The per-type page: for each job type, its ready and running (leased or running) jobs now,
+    and per window of :data:`TYPE_WINDOWS`, the jobs that finished in it (done, failed,
+    cancelled), the failure rate (failed over done and failed; None without either) and the
+    median and 95th percentile of how long their last attempt ran (seconds, jobs that started).
+
+    Two reads: the live rows by type (the ready and in-flight indexes) and the newest
+    :data:`TYPE_SAMPLE` jobs finished in the longest window (ix_jobs_finished, newest first).
+    A window with more finishes than that is summarised from its newest ones: its entry in
+    ``windows`` has ``complete`` false and ``covers_since``, the oldest finish read."""
+    now = _db_now(engine)
+    longest = max(w for _, w in TYPE_WINDOWS)
+    with engine.connect() as conn:
+        live = conn.execute(_jq._q_live_by_type()).all()
+        rows = conn.execute(_jq._q_type_finishes(now - longest, TYPE_SAMPLE + 1)).all()
+        conn.rollback()
+    capped = len(rows) > TYPE_SAMPLE
+    rows = rows[:TYPE_SAMPLE]
+    oldest = rows[-1].finished_at if rows else None
+    types: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        return types.setdefault(name, {"type": name, "ready": 0, "running": 0})
+
+    for type_, state, n in live:
+        entry(type_)["ready" if state == "ready" else "running"] += int(n)
+    windows = []
+    for label, length in TYPE_WINDOWS:
+        since = now - length
+        complete = not capped or (oldest is not None and oldest < since)
+        windows.append({"name": label, "seconds": length.total_seconds(), "since": since, "complete": complete,
+                        "covers_since": None if complete else oldest})
+        per: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            if r.finished_at < since:
+                break  # newest first: the rest are older
+            w = per.setdefault(r.type, {"done": 0, "failed": 0, "cancelled": 0, "runs": []})
+            w[r.state] += 1
+            if r.started_at is not None:
+                w["runs"].append(max(0.0, (r.finished_at - r.started_at).total_seconds()))
+        for type_, w in per.items():
+            runs = sorted(w.pop("runs"))
+            judged = w["done"] + w["failed"]
+            entry(type_)[label] = w | {
+                "finished": w["done"] + w["failed"] + w["cancelled"],
+                "failure_rate": round(w["failed"] / judged, 4) if judged else None,
+                "runtime_p50": _nearest_rank(runs, 50), "runtime_p95": _nearest_rank(runs, 95)}
+    empty = {"done": 0, "failed": 0, "cancelled": 0, "finished": 0, "failure_rate": None, "runtime_p50": None,
+             "runtime_p95": None}
+    out = [t | {label: t.get(label, empty) for label, _ in TYPE_WINDOWS} for _, t in sorted(types.items())]
+    return {"now": now, "windows": windows, "sample": TYPE_SAMPLE, "types": out}
 
 
 def group_page(engine: sa.Engine, *, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
@@ -789,6 +855,9 @@ class Dashboard:
             data = group_page(self.engine, after=after,
                               limit=_int_arg(req, "limit", None if api else GROUPS_PAGE, 1, _MAX_PAGE))
             return self._json(data) if api else self._page(req, "Groups", self._groups_html(req, data), "/groups")
+        if parts == ["types"]:
+            data = type_page(self.engine)
+            return self._json(data) if api else self._page(req, "Types", _types_html(req, data), "/types")
         if parts == ["schedules"]:
             data = schedule_list(self.engine, hide_args=self.hide_args)
             button = (lambda name, action: self._schedule_button(req, name, action)) if self.token else None
@@ -798,7 +867,7 @@ class Dashboard:
 
     @staticmethod
     def _known_get(parts: list[str], api: bool) -> bool:
-        return parts in ([], ["jobs"], ["groups"], ["schedules"], ["audit"]) or (len(parts) == 2 and parts[0] == "jobs")
+        return parts in ([], ["jobs"], ["groups"], ["types"], ["schedules"], ["audit"]) or (len(parts) == 2 and parts[0] == "jobs")
 
     # ---- handlers
 
@@ -1178,7 +1247,7 @@ class Dashboard:
         b = _e(req.base)
         nav = "".join(f'<a href="{b}{p}"{" class=here" if p == here else ""}>{name}</a>'
                       for p, name in (("/", "Overview"), ("/jobs", "Jobs"), ("/groups", "Groups"),
-                                      ("/schedules", "Schedules"), ("/audit", "Audit")))
+                                      ("/types", "Types"), ("/schedules", "Schedules"), ("/audit", "Audit")))
         if self.token is None:
             who = "read-only"
         elif self._session_ok(req):
@@ -1413,6 +1482,40 @@ def _schedules_html(req: _Request, d: Mapping[str, Any], button: Callable[[str, 
             "its first slot after now (the slots that fell while it was paused are skipped). Pause and resume here "
             "with the token (recorded in the audit log), or with <code>jobq schedule NAME --pause|--resume|--remove"
             "</code>.</p>" + table)
+
+
+def _types_html(req: _Request, d: Mapping[str, Any]) -> str:
+    """The per-type page: one row per type, escaped, with the windows' columns side by side."""
+    b = _e(req.base)
+
+    def rate(v: float | None) -> str:
+        return "-" if v is None else f"{v * 100:.1f}%"
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else _duration(v)
+
+    labels = [w["name"] for w in d["windows"]]
+    rows = []
+    for t in d["types"]:
+        q = _e(urllib.parse.quote(t["type"]))
+        cells = [f'<a href="{b}/jobs?type={q}">{_e(t["type"])}</a>',
+                 f'<a href="{b}/jobs?type={q}&amp;state=ready">{_e(t["ready"])}</a>', _e(t["running"])]
+        for label in labels:
+            w = t[label]
+            failed = (f' (<a href="{b}/jobs?type={q}&amp;state=failed">{_e(w["failed"])} failed</a>)'
+                      if w["failed"] else "")
+            cells += [f"{_e(w['finished'])}{failed}", rate(w["failure_rate"]), secs(w["runtime_p50"]),
+                      secs(w["runtime_p95"])]
+        rows.append(cells)
+    heads = ["type", "ready", "running"] + [f"{h} ({label})" for label in labels
+                                            for h in ("finished", "failure rate", "median run", "p95 run")]
+    notes = [f'<p class="muted" id="partial-{_e(w["name"])}">The {_e(w["name"])} columns summarise the newest '
+             f'{d["sample"]:,} finished jobs (since {_ago(w["covers_since"], d["now"])}), not the whole window.</p>'
+             for w in d["windows"] if not w["complete"]]
+    return ('<h1>Types</h1><p class="muted">Per job type: ready and running (leased or running) now; over the last '
+            f"{' and '.join(_e(x) for x in labels)}, the jobs that finished (done, failed or cancelled), the failure "
+            "rate (failed over done and failed: a cancelled job is neither), and how long their last attempt ran "
+            "(median and 95th percentile, jobs that started).</p>" + "".join(notes) + _table(heads, rows, "types"))
 
 
 def _audit_html(entries: Sequence[Mapping[str, Any]]) -> str:
