@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import threading
 import time
+from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 import jobq
@@ -84,10 +87,28 @@ def _peak(rows: list[tuple[str, float, float]], group: str | None = None) -> int
     return peak_overlap((a, b) for g, a, b in rows if group in (None, g))
 
 
-def test_integration_weighted_shares_hold_while_groups_are_backlogged(engine: sa.Engine) -> None:
-    """Weights 3:1, cap 4 shared by two workers; the light group's jobs run 3x longer. While
-    both groups are backlogged, the heavy group's share of slot-time stays within 0.1 of 75%
-    (the seed's free-slots-only split drifts to about 50% here)."""
+def _share_while_full(rows: list[tuple[str, float, float]], group: str, cap: int) -> tuple[float, float, float]:
+    """``group``'s share of the slots over the time all ``cap`` slots ran handlers, while every
+    group still had work (until the first group ran dry); also that time and the whole span.
+
+    Only the full stretches count: between a handler's end and its slot's next start the slot
+    is empty for as long as the worker takes to claim again, and a group whose jobs are short
+    pays that gap more often. On a loaded machine the gaps grow, which is the machine's speed,
+    not the split; with every slot busy, the split is exactly the policy's."""
+    start = min(a for _, a, _ in rows)
+    end = min(max(a for g, a, _ in rows if g == grp) for grp in {g for g, _, _ in rows})  # first group to run dry
+    edges = sorted({start, end, *(t for _, a, b in rows for t in (a, b) if start < t < end)})
+    full = held = 0.0
+    for t0, t1 in itertools.pairwise(edges):
+        mid = (t0 + t1) / 2
+        running = [g for g, a, b in rows if a <= mid < b]
+        if len(running) == cap:
+            full += t1 - t0
+            held += (t1 - t0) * running.count(group) / cap
+    return (held / full if full else 0.0), full, end - start
+
+
+def _weighted_run(engine: sa.Engine) -> tuple[float, float, float, list[tuple[str, float, float]]]:
     with engine.begin() as conn:
         for _ in range(100):
             jobq.enqueue(conn, "heavy", group_key="heavy", weight=3)
@@ -95,16 +116,35 @@ def test_integration_weighted_shares_hold_while_groups_are_backlogged(engine: sa
             jobq.enqueue(conn, "light", group_key="light", weight=1)
     spans = Spans()
     _run_workers(engine, {"heavy": spans.handler(0.1), "light": spans.handler(0.3)}, max_concurrency=4)
-    rows = spans.rows
-    start = min(a for _, a, _ in rows)
-    end = min(max(a for g, a, _ in rows if g == grp) for grp in ("heavy", "light"))  # first group to run dry
-    used = {"heavy": 0.0, "light": 0.0}
-    for g, a, b in rows:
-        used[g] += max(0.0, min(b, end) - max(a, start))
-    share = used["heavy"] / sum(used.values())
-    REPORT.append(f"fair share {engine.dialect.name}: heavy (w=3) {share:.2f} of slot-time (target 0.75) over {end - start:.1f}s")
-    assert abs(share - 0.75) <= 0.1, f"heavy share {share:.2f} over {end - start:.1f}s"
+    return (*_share_while_full(spans.rows, "heavy", 4), spans.rows)
+
+
+def test_integration_weighted_shares_hold_while_groups_are_backlogged(engine: sa.Engine) -> None:
+    """Weights 3:1, cap 4 shared by two workers; the light group's jobs run 3x longer. While
+    both groups are backlogged and every slot is busy, the heavy group holds 75% of the slots,
+    within 0.1 (a split of the free slots alone drifts to about half: the test below)."""
+    share, full, span, rows = _weighted_run(engine)
+    REPORT.append(f"fair share {engine.dialect.name}: heavy (w=3) {share:.2f} of the slots (target 0.75) "
+                  f"over {full:.1f}s of {span:.1f}s with every slot busy")
+    assert full > 0, "no moment with every slot busy: the cap was never reached"
+    assert abs(share - 0.75) <= 0.1, f"heavy share {share:.2f} over {full:.1f}s with every slot busy"
     assert _peak(rows) <= 4
+
+
+def test_the_weighted_share_check_catches_a_split_of_the_free_slots_alone(
+        engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broken variant: allocate told nothing runs (in_flight ignored), so each free slot is
+    split by weight alone; the light group's long jobs pile up in the slots, and the same
+    measure as above shows the heavy share far below 0.75."""
+    right = jobq.allocate
+
+    def free_slots_only(free: int, ready: Any, **kw: Any) -> dict[str, int]:
+        return right(free, ready, **{**kw, "in_flight": {}})
+
+    monkeypatch.setattr(jobq, "allocate", free_slots_only)
+    share, full, _span, _rows = _weighted_run(engine)
+    REPORT.append(f"fair share {engine.dialect.name}, BROKEN free slots only: heavy {share:.2f} of the slots (caught)")
+    assert full > 0 and abs(share - 0.75) > 0.1, f"the broken split gave {share:.2f}: the check cannot tell"
 
 
 def test_integration_per_group_cap_is_never_exceeded(engine: sa.Engine) -> None:
