@@ -3,7 +3,7 @@
 What this does: fills a fresh SQLite queue with a small, realistic picture (an ETL DAG with a
 container, three tenants sharing the slots, an hour of finished jobs, a failure with its
 traceback), serves it with jobq_web, and has headless chromium photograph the overview, the
-container's job page and the groups page.
+container's job page, the groups page and the per-type page.
 
 Run:  python docs/screenshots.py            (needs chromium, chromium-driver and selenium)
 """
@@ -99,7 +99,7 @@ def main() -> None:
             opts.add_argument(arg)
         driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
         try:
-            for name, path in (("overview", "/"), ("job", f"/jobs/{box}"), ("groups", "/groups")):
+            for name, path in (("overview", "/"), ("job", f"/jobs/{box}"), ("groups", "/groups"), ("types", "/types")):
                 driver.set_window_size(1280, 900)
                 driver.get(base + path)
                 height = driver.execute_script("return document.documentElement.scrollHeight")
