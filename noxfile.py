@@ -7,6 +7,7 @@
     nox -s crash-postgres       kill-the-worker and database-fault scenarios
     nox -s fairness             fair-share properties and simulations (no database; not in `tests`)
     nox -s cluster-postgres     worker hosts (network namespaces), partitions, a failover (root)
+    nox -s cluster-mariadb      the same on MariaDB: a replica, HAProxy, semi-sync and async failovers (root)
     nox -s lint                 ruff and mypy
     nox -s package              build the wheel and check it installed (license, py.typed, -m jobq)
     nox -s floors               the suite on SQLite and PostgreSQL with the lowest versions jobq declares
@@ -202,7 +203,19 @@ def cluster_postgres(session: nox.Session) -> None:
     # removes them; it needs root, iproute2, nftables and PostgreSQL 15's binaries, and fails
     # (never skips) without them. The shared servers named by JOBQ_TEST_*_URL are not used.
     session.install(*TEST_DEPS)
-    session.run("pytest", "tests/cluster", *session.posargs, env={"JOBQ_TEST_DIALECTS": "sqlite"})
+    session.run("pytest", "tests/cluster/test_cluster.py", *session.posargs, env={"JOBQ_TEST_DIALECTS": "sqlite"})
+
+
+@nox.session(name="cluster-mariadb", default=False)
+def cluster_mariadb(session: nox.Session) -> None:
+    """Cluster suite on MariaDB: 3 worker hosts, HAProxy, partitions, a semi-sync and an async failover (root)."""
+    # Its own MariaDB primary and replica (Debian's mariadbd, ports 53306/53307), HAProxy on port
+    # 53300 and namespaces jqm-* of their own (it runs beside cluster-postgres), all removed at
+    # the end; it needs root, iproute2, nftables, mariadb-server and haproxy, and fails (never
+    # skips) without them. The system MariaDB on 3306 is not used.
+    session.install(*TEST_DEPS)
+    session.run("pytest", "tests/cluster/test_cluster_mariadb.py", *session.posargs,
+                env={"JOBQ_TEST_DIALECTS": "sqlite"})
 
 
 @nox.session

@@ -1,5 +1,7 @@
 """The cluster suite's fixtures: worker hosts (network namespaces) for the whole run, a fresh
 PostgreSQL instance (or primary and standby) per test, and the summary line at the end.
+The MariaDB backend (test_cluster_mariadb.py) has hosts of its own (``maria_hosts``: jqm-*,
+instances under $TMPDIR/jobq-cluster-mariadb), so the two suites can run at the same time.
 
 Everything is removed at the end, also after a failure or a run killed half-way (the next run
 removes what an earlier one left: namespaces jqc-h*, bridge jqc-br0, instances under
@@ -36,6 +38,22 @@ def hosts() -> Iterator[Hosts]:
     finally:
         h.down()
         remove_instances()
+
+
+@pytest.fixture(scope="session")
+def maria_hosts() -> Iterator[Hosts]:
+    import maria_infra  # only the MariaDB suite needs it
+
+    maria_infra.preflight()
+    remove_hosts(maria_infra.TAG)
+    maria_infra.remove_instances()
+    h = Hosts(TALLY.hosts, maria_infra.TAG, maria_infra.NET)
+    try:
+        h.up()
+        yield h
+    finally:
+        h.down()
+        maria_infra.remove_instances()
 
 
 @pytest.fixture

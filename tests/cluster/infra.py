@@ -32,10 +32,8 @@ import jobq
 
 HERE = pathlib.Path(__file__).resolve().parent
 PG_BIN = pathlib.Path(os.environ.get("JOBQ_CLUSTER_PG_BIN", "/usr/lib/postgresql/15/bin"))
-BRIDGE = "jqc-br0"
 NET = "10.231.7"
 SERVER_ADDR = f"{NET}.1"
-NS_PREFIX = "jqc-h"
 PRIMARY_PORT, STANDBY_PORT = 55432, 55433
 DBNAME = "jobq_cluster"
 #: The server's side of a partition: a host cut off inside a transaction (a claim holding the cap's
@@ -73,22 +71,27 @@ def preflight() -> None:
 
 
 class Hosts:
-    """``n`` worker hosts: network namespaces on one bridge, each partitionable on its own."""
+    """``n`` worker hosts: network namespaces on one bridge, each partitionable on its own.
 
-    def __init__(self, n: int) -> None:
-        self.names = [f"{NS_PREFIX}{i}" for i in range(n)]
+    ``tag`` and ``net`` name a set of its own (namespaces <tag>-h0.., bridge <tag>-br0, veths
+    <tag>-v0.., addresses <net>.x): the PostgreSQL and MariaDB suites run side by side."""
+
+    def __init__(self, n: int, tag: str = "jqc", net: str = NET) -> None:
+        self.tag, self.net = tag, net
+        self.bridge = f"{tag}-br0"
+        self.names = [f"{tag}-h{i}" for i in range(n)]
 
     def addr(self, i: int) -> str:
-        return f"{NET}.{10 + i}"
+        return f"{self.net}.{10 + i}"
 
     def up(self) -> None:
-        sh("ip", "link", "add", BRIDGE, "type", "bridge")
-        sh("ip", "addr", "add", f"{SERVER_ADDR}/24", "dev", BRIDGE)
-        sh("ip", "link", "set", BRIDGE, "up")
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{self.net}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
         for i, ns in enumerate(self.names):
             sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", f"jqc-v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "link", "set", f"jqc-v{i}", "master", BRIDGE, "up")
+            sh("ip", "link", "add", f"{self.tag}-v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "link", "set", f"{self.tag}-v{i}", "master", self.bridge, "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -104,15 +107,15 @@ class Hosts:
         sh("ip", "netns", "exec", self.names[i], "nft", "delete", "table", "inet", "jqc_partition")
 
     def down(self) -> None:
-        remove_hosts()
+        remove_hosts(self.tag)
 
 
-def remove_hosts() -> None:
+def remove_hosts(tag: str = "jqc") -> None:
     """Remove every namespace and the bridge this suite makes (also those of an earlier run)."""
     for ns in sh("ip", "netns", "list").split():
-        if ns.startswith(NS_PREFIX):
+        if ns.startswith(f"{tag}-h"):
             sh("ip", "netns", "del", ns, check=False)  # takes its end of the veth, and so the pair
-    sh("ip", "link", "del", BRIDGE, check=False)
+    sh("ip", "link", "del", f"{tag}-br0", check=False)
 
 
 # ---- PostgreSQL instances -----------------------------------------------------------------------
