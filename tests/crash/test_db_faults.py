@@ -230,7 +230,10 @@ def _server_control(dialect: str, db_url: str) -> tuple[list[str], list[str], li
     if not shutil.which("mariadb-admin") or url.username != "root" or url.password:
         return None
     if dialect == "mariadb" and (url.port or 3306) == 3306 and pathlib.Path("/usr/sbin/mariadbd").exists():
-        start = ["start-stop-daemon", "--start", "--oknodo", "--background", "--exec", "/usr/sbin/mariadbd"]
+        # The system server is the mariadbd of Debian's pid file: without --pidfile any mariadbd
+        # (cluster-mariadb's own, beside this suite in CI) passes for it and nothing is started.
+        start = ["start-stop-daemon", "--start", "--oknodo", "--background", "--pidfile", "/run/mysqld/mysqld.pid",
+                 "--exec", "/usr/sbin/mariadbd"]
         return [*client, "shutdown"], start, [*client, "ping"]
     chroot = pathlib.Path(os.environ.get("JOBQ_MYSQL_CHROOT", "/var/lib/jobq-mysql/chroot"))
     if dialect == "mysql" and url.port == 3307 and (chroot / "usr/sbin/mysqld").exists():
