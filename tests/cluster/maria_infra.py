@@ -172,7 +172,7 @@ def promote(replica: Maria) -> None:
 #: `check_writable.sh <proxy addr> <proxy port> <server addr> <server port>` every `inter`.
 CHECK_SCRIPT = """#!/bin/sh
 # Up only if the server answers and takes writes (read_only = 0): HAProxy follows the writable node.
-[ "$(mariadb -h "$3" -P "$4" -uroot -N -B --connect-timeout=1 -e 'SELECT @@global.read_only' 2>/dev/null)" = 0 ]
+[ "$(mariadb -h "$3" -P "$4" -uroot -N -B --connect-timeout=3 -e 'SELECT @@global.read_only' 2>/dev/null)" = 0 ]
 """
 
 HAPROXY_CFG = """global
@@ -188,7 +188,9 @@ defaults
     # proxy, ends a session whose host was cut off inside a transaction.
     timeout client 1h
     timeout server 1h
-    timeout check 2s
+    # A check forks a client: on a loaded machine it can take a second or more. One that times
+    # out marks a live primary down and (shutdown-sessions) cuts every session through it.
+    timeout check 5s
 
 listen jobq_mariadb
     bind {addr}:{port}
@@ -196,9 +198,10 @@ listen jobq_mariadb
     option external-check
     external-check path "/usr/bin:/bin"
     external-check command {dir}/check_writable.sh
-    # Down after 2 failed checks 300 ms apart, up after 2 good ones; a server marked down has its
-    # sessions cut, so no worker keeps writing to a node that stopped being the writable one.
-    default-server inter 300ms fall 2 rise 2 on-marked-down shutdown-sessions
+    # Down after 3 failed checks 300 ms apart (a dead server refuses at once: about a second),
+    # up after 2 good ones; a server marked down has its sessions cut, so no worker keeps
+    # writing to a node that stopped being the writable one.
+    default-server inter 300ms fall 3 rise 2 on-marked-down shutdown-sessions
     server primary 127.0.0.1:{primary} check
     server replica 127.0.0.1:{replica} check
 """
@@ -240,6 +243,23 @@ class HAProxy:
             if len(f) > 17 and f[0] == "jobq_mariadb" and f[1] in ("primary", "replica"):
                 got[f[1]] = f[17]
         return got
+
+    def marked_down(self, server: str) -> int:
+        """How many times HAProxy's check has marked ``server`` down (its chkdown counter)."""
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(self.dir / "haproxy.sock"))
+                s.sendall(b"show stat\n")
+                out = b""
+                while chunk := s.recv(65536):
+                    out += chunk
+        except OSError:
+            return -1
+        for line in out.decode().splitlines():
+            f = line.split(",")
+            if len(f) > 22 and f[0] == "jobq_mariadb" and f[1] == server:
+                return int(f[22] or 0)
+        return -1
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
