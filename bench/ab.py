@@ -57,7 +57,7 @@ def _drain(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]
     eng = sa.create_engine(url)
     jobq.Base.metadata.drop_all(eng)
     jobq.create_schema(eng)
-    B.seed(eng, n)
+    B.seed(eng, n, table=jobq.Job.__table__)
     eng.dispose()
     gc.collect()
     eng = sa.create_engine(url)
@@ -94,7 +94,7 @@ def _claim(jobq: ModuleType, url: str, n: int, conc: int) -> tuple[float, float]
     eng = sa.create_engine(url)
     jobq.Base.metadata.drop_all(eng)
     jobq.create_schema(eng)
-    B.seed(eng, n)
+    B.seed(eng, n, table=jobq.Job.__table__)
     gc.collect()
     c0, t0, got = B._cpu(), time.perf_counter(), 0
     while got < n:
@@ -133,7 +133,7 @@ def _drain_procs(jobq: ModuleType, path: str, url: str, n: int, conc: int, procs
     eng = sa.create_engine(url)
     jobq.Base.metadata.drop_all(eng)
     jobq.create_schema(eng)
-    B.seed(eng, n)
+    B.seed(eng, n, table=jobq.Job.__table__)
     eng.dispose()
     elapsed, cpu = T._run_procs(_setup_side, (path, url, conc, conc * procs), procs)
     return n / elapsed, cpu / n * 1e6

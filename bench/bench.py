@@ -43,7 +43,9 @@ def fresh(url: str) -> sa.Engine:
     return eng
 
 
-def seed(eng: sa.Engine, n: int, type_: str = "noop") -> None:
+def seed(eng: sa.Engine, n: int, type_: str = "noop", table: sa.Table | None = None) -> None:
+    """``n`` ready no-op jobs, inserted in bulk into ``table`` (default: this jobq's jobs table;
+    bench/ab.py passes the other revision's, whose columns may differ)."""
     rows = []
     now = jobq._utcnow()
     for _ in range(n):
@@ -53,7 +55,7 @@ def seed(eng: sa.Engine, n: int, type_: str = "noop") -> None:
                          pending_children=0, failed_children=0))
     with eng.begin() as conn:
         for i in range(0, len(rows), 5000):
-            conn.execute(sa.insert(jobs), rows[i:i + 5000])
+            conn.execute(sa.insert(jobs if table is None else table), rows[i:i + 5000])
 
 
 def _cpu() -> float:
