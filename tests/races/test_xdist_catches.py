@@ -1,5 +1,7 @@
-"""The xdist race catches a broken claim: run it in a subprocess with a deliberately broken
-variant and require that it fails, with duplicates in its figures."""
+"""The xdist races catch what they are there to catch: run each in a subprocess with a
+deliberately broken variant and require that it fails with the figure that names the broken
+promise (duplicates for a claim that is not atomic; keys whose signal counted more than once
+for a signal that overwrites an earlier one)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,43 @@ def test_xdist_race_catches_read_then_update(db_url: str, dialect: str, tmp_path
                     "claims": res["claims"], "dups": res["duplicates"], "lost": res["lost"],
                     "overlap": f"{res['db_peak']}/32", "secs": f"{res['seconds']:.1f}", "caught": f"{caught}/{trials}"})
     assert caught, f"the xdist race passed read_then_update (exit {code}): {res}"
+
+
+SIGNAL_RACE = XDIST_RACE / "test_xdist_signal_race.py"
+
+
+def run_xdist_signal_race(dialect: str, tmp: pathlib.Path, variant: str, jobs: int, workers: int = 4) -> tuple[int, str, dict]:
+    """``pytest -n workers --dist each`` of the xdist signal race alone, with ``variant``; (exit code, output, figures)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = tmp / f"bt-{variant}"
+    env = {**os.environ, "JOBQ_TEST_DIALECTS": dialect, "JOBQ_REQUIRE_DIALECTS": dialect,
+           "JOBQ_SIGNAL_VARIANT": variant, "JOBQ_SIGNAL_RACE_JOBS": str(jobs)}
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "xdist", "-n", str(workers), "--dist", "each", "-p", "no:cacheprovider",
+         f"--basetemp={base}", str(SIGNAL_RACE)],
+        env=env, capture_output=True, text=True, timeout=500,
+    )
+    results = list(base.glob(f"xrace-*/signals-{dialect}/result.json"))
+    assert len(results) == 1, f"no figures from the xdist signal race:\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
+    return p.returncode, p.stdout, json.loads(results[0].read_text())
+
+
+SIGNAL_JOBS = 40  # 30 keys, each signalled by every worker: one run catches it; more jobs only cost time
+
+
+@pytest.mark.timeout(TRIALS * 520)
+def test_xdist_signal_race_catches_a_signal_that_overwrites(db_url: str, dialect: str, tmp_path: pathlib.Path) -> None:
+    """4 xdist workers each signal every key of SIGNAL_JOBS waiting jobs with
+    test_signal_races._overwriting_send (a second signal of a key overwrites the first and
+    counts too). Correct harness: the run fails, and its figures name the keys whose signal
+    counted more than once (keys_won_not_once). A harness that passed it, or failed it for
+    another reason only, could not tell "of two signals at once, one counts" from its breach."""
+    caught = trials = 0
+    while trials < 1 or (not caught and trials < TRIALS):
+        trials += 1
+        code, out, res = run_xdist_signal_race(dialect, tmp_path / str(trials), "overwrites", jobs=SIGNAL_JOBS)
+        won = res["bad"].get("keys_won_not_once", {})
+        caught += code == pytest.ExitCode.TESTS_FAILED and len(won) > 0 and "keys_won_not_once" in out
+    SUMMARY.append({"engine": dialect, "check": "BROKEN xdist signal overwrites", "claimers": "4 processes",
+                    "claims": res["runs"], "dups": len(won), "caught": f"{caught}/{trials}"})
+    assert caught, f"the xdist signal race passed overwrites (exit {code}): {res}"

@@ -20,9 +20,16 @@ Correct, however they interleave: every job ends done or cancelled (none lost); 
 once, with one ``done`` in its history; a done job read either its timeout or the one signal
 that counts for its key (exactly one sender's signal() returned True per key, and the key's
 row holds that sender's payload); a job whose cancel returned "cancelled" stays cancelled; no
-two runs of a job overlap. ``JOBQ_SIGNAL_VARIANT=unlocked`` swaps in the broken key check of
-tests/races/test_signal_races.py (the key's row read without a lock), which this race may or
-may not catch in one run; the per-test harness catches it for certain.
+two runs of a job overlap.
+
+``JOBQ_SIGNAL_VARIANT`` swaps in a deliberately broken variant of
+tests/races/test_signal_races.py in every worker. ``overwrites`` (a second signal of a key
+overwrites the first and counts too) is caught in every run, on every engine, by the figure
+``keys_won_not_once`` (every key won by every sender; it needs no particular interleaving,
+only that every worker signals every key); tests/races/test_xdist_catches.py checks that in a subprocess with 4 workers. ``unlocked`` (the key's row read without a lock,
+and never inserted) is not shown caught here: the senders' signal() finds no row to lock and
+raises, so the run fails for that, not for a lost signal; the per-test harness
+(test_signal_races.py) catches the unlocked check for certain.
 """
 
 from __future__ import annotations
@@ -73,10 +80,16 @@ def _seed(url: str, dialect: str) -> dict[str, Any]:
 
 
 def _break(variant: str) -> None:
+    """Swap in a deliberately broken variant of tests/races/test_signal_races.py (this process only)."""
     if variant == "unlocked":
         from test_signal_races import _unlocked_key
         jobq._q_lock_signal = _unlocked_key
         jobq._Dialect.insert_signal_key = lambda self, conn, key, now: None  # type: ignore[method-assign]
+    elif variant == "overwrites":
+        from test_signal_races import _overwriting_send
+        jobq._q_send_signal = _overwriting_send
+    elif variant != "correct":
+        raise AssertionError(f"unknown JOBQ_SIGNAL_VARIANT {variant!r}")
 
 
 class _Process:
