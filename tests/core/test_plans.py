@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 import jobq
-from dbs import needs, only
+from dbs import needs, only, wipe
 from helpers import JOBS, wait_for
 
 NOW = dt.datetime(2030, 1, 1)
@@ -378,7 +378,20 @@ def test_the_pinned_count_walks_the_in_flight_index_and_marks_its_dead_entries(e
     with engine.begin() as conn:  # no vacuum of its own may clear the entries mid-test
         conn.exec_driver_sql("ALTER TABLE jobs SET (autovacuum_enabled = false)")
     try:
-        _count_marks_dead_entries(engine)
+        # A transaction elsewhere on the server that takes a snapshot between the wait for older
+        # ones and the first count (an xdist sibling's, another database's) can keep the entries
+        # from being marked this once: the whole measurement runs again on fresh rows, up to
+        # three times. A count that never marks fails every time.
+        for attempt in range(3):
+            try:
+                _count_marks_dead_entries(engine)
+                break
+            except _NotMarked:
+                if attempt == 2:
+                    raise
+                wipe(engine)
+                with engine.begin() as conn:
+                    conn.exec_driver_sql("ALTER TABLE jobs SET (autovacuum_enabled = false)")
     finally:
         with engine.begin() as conn:
             conn.exec_driver_sql("ALTER TABLE jobs RESET (autovacuum_enabled)")
@@ -449,4 +462,10 @@ def _count_marks_dead_entries(engine: sa.Engine) -> None:
     fetched = [int(plan.split("Heap Fetches: ")[1].split()[0]) for plan in walked]
     # The first count met 2,990 dead entries and marked them. Those that share a deduplicated
     # posting list with a live row's entry cannot be marked (about one list: 222 here).
-    assert fetched[0] >= 2990 and fetched[1] < fetched[0] // 4, walked
+    assert fetched[0] >= 2990, walked
+    if not fetched[1] < fetched[0] // 4:
+        raise _NotMarked(f"the second count fetched {fetched[1]} of {fetched[0]} heap rows again: {walked}")
+
+
+class _NotMarked(AssertionError):
+    """The first pinned count did not mark the dead entries it met."""
